@@ -1,0 +1,84 @@
+"""The base model, run through transformers' own model classes with a tree mask, explicit positions and our cache.
+
+Features handed to the draft head:
+- EAGLE-1/2: the post-final-norm last hidden state [.., H] (what transformers returns as `last_hidden_state`);
+- EAGLE-3: hidden_states[2], [L // 2], [L - 3] concatenated [.., 3H] (the inputs of those decoder layers).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .kv_cache import TreeKVCache
+
+
+def eagle3_feature_layers(num_layers: int) -> tuple[int, int, int]:
+    return (2, num_layers // 2, num_layers - 3)
+
+
+def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """bool [q, k] (True = may attend) -> float [1, 1, q, k]: 0 where allowed, the dtype's min elsewhere.
+
+    A float mask, not a bool one: eager attention adds the mask to the scores."""
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
+    mask.masked_fill_(~allowed, torch.finfo(dtype).min)
+    return mask[None, None]
+
+
+def tree_mask(prefix_len: int, ancestors: torch.Tensor, dtype: torch.dtype, device) -> torch.Tensor:
+    """Mask for n tree rows after `prefix_len` committed positions: all of the prefix, plus their ancestors."""
+    n = ancestors.shape[0]
+    allowed = torch.ones(n, prefix_len + n, dtype=torch.bool)
+    allowed[:, prefix_len:] = ancestors
+    return additive_mask(allowed.to(device), dtype)
+
+
+class BaseModel:
+    """Thin runner around a `*ForCausalLM`: one forward, logits only for the rows asked, features when needed."""
+
+    def __init__(self, model: nn.Module, eagle3: bool):
+        self.model = model
+        self.decoder = model.get_decoder()
+        self.lm_head = model.get_output_embeddings()
+        cfg = model.config.get_text_config()
+        self.num_layers = cfg.num_hidden_layers
+        self.hidden_size = cfg.hidden_size
+        self.vocab_size = self.lm_head.weight.shape[0]
+        self.feature_layers = eagle3_feature_layers(self.num_layers) if eagle3 else None
+        self.dtype = self.lm_head.weight.dtype
+        self.input_device = model.get_input_embeddings().weight.device
+
+    def new_cache(self, capacity: int) -> TreeKVCache:
+        return TreeKVCache(self.num_layers, capacity)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [1, q]
+        position_ids: torch.Tensor,  # [1, q]
+        cache: TreeKVCache,
+        mask: torch.Tensor | None = None,  # additive [1, 1, q, cache.length + q]; None = causal
+        features: bool = True,
+        last_logits_only: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Returns (logits [q or 1, V] in the model dtype, features [q, F] or None)."""
+        kwargs = {}
+        if features and self.feature_layers is not None:
+            kwargs["output_hidden_states"] = list(self.feature_layers)
+        out = self.decoder(
+            input_ids=input_ids.to(self.input_device),
+            position_ids=position_ids.to(self.input_device),
+            attention_mask=mask,
+            past_key_values=cache,
+            use_cache=True,
+            **kwargs,
+        )
+        hidden = out.last_hidden_state[0]  # [q, H], post final norm
+        rows = hidden[-1:] if last_logits_only else hidden
+        logits = self.lm_head(rows.to(self.lm_head.weight.device))
+        if not features:
+            return logits, None
+        if self.feature_layers is None:
+            return logits, hidden
+        taps = [out.hidden_states[i][0] for i in self.feature_layers]
+        return logits, torch.cat([t.to(hidden.device) for t in taps], dim=-1)

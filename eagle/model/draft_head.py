@@ -1,0 +1,257 @@
+"""The EAGLE draft head: one decoder layer that predicts the base model's next feature.
+
+Two formats share this module (both load the reference project's checkpoints unmodified):
+
+- EAGLE-1/2 (`eagle3=False`): h = fc([embed(x_{t+1}); f_t]) with f_t the base's post-norm last hidden state; one
+  Llama layer without an input norm (`layers.0.*`); logits come from the *base* lm_head applied to the output.
+- EAGLE-3 (`eagle3=True`): f_t is the concat of three base hidden states (low, mid, high; 3H), projected by
+  fc (3H -> H, no bias) the first time; afterwards the head's own output is fed back. The layer (`midlayer.*`)
+  attends over [input_layernorm(embed); hidden_norm(h)] (2H); logits are `lm_head(norm(out))` over a reduced draft
+  vocabulary mapped to target ids by `d2t` (target = draft + d2t[draft]).
+
+Position t consumes (feature f_t, token x_{t+1}) and predicts f_{t+1}, hence token x_{t+2}.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import LlamaConfig
+from transformers.activations import ACT2FN
+from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
+
+
+@dataclass
+class DraftConfig:
+    """The fields of a draft `config.json` that the head uses."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    vocab_size: int
+    eagle3: bool
+    draft_vocab_size: int
+    rms_norm_eps: float = 1e-6
+    hidden_act: str = "silu"
+    fc_bias: bool = True  # the reference reads `"bias"`; absent means True
+    qkv_bias: bool = False
+    target_hidden_size: int | None = None  # EAGLE-3: fc input is 3 * this when set
+    max_position_embeddings: int = 2048
+    rope: dict = field(default_factory=dict)  # rope_theta / rope_scaling as found in the file
+    raw: dict = field(default_factory=dict)
+
+    @classmethod
+    def from_dict(cls, d: dict, eagle3: bool) -> "DraftConfig":
+        missing = [k for k in ("hidden_size", "intermediate_size", "num_attention_heads", "vocab_size") if k not in d]
+        if missing:
+            raise ValueError(f"draft config.json lacks {missing}: it is not an EAGLE draft config")
+        rope = {k: d[k] for k in ("rope_theta", "rope_scaling") if d.get(k) is not None}
+        return cls(
+            hidden_size=d["hidden_size"],
+            intermediate_size=d["intermediate_size"],
+            num_attention_heads=d["num_attention_heads"],
+            num_key_value_heads=d.get("num_key_value_heads") or d["num_attention_heads"],
+            vocab_size=d["vocab_size"],
+            eagle3=eagle3,
+            draft_vocab_size=d.get("draft_vocab_size", d["vocab_size"]) if eagle3 else d["vocab_size"],
+            rms_norm_eps=d.get("rms_norm_eps", 1e-6),
+            hidden_act=d.get("hidden_act", "silu"),
+            fc_bias=bool(d.get("bias", True)) and not eagle3,
+            qkv_bias=bool(d.get("qkv_bias", False)),
+            target_hidden_size=d.get("target_hidden_size") if eagle3 else None,
+            max_position_embeddings=d.get("max_position_embeddings", 2048),
+            rope=rope,
+            raw=dict(d),
+        )
+
+    @property
+    def head_dim(self) -> int:
+        # The reference computes H / heads and ignores a `head_dim` key, both at inference and in training.
+        return self.hidden_size // self.num_attention_heads
+
+    @property
+    def feature_size(self) -> int:
+        """Width of the base features the head consumes: H (EAGLE-1/2) or 3 * H_target (EAGLE-3)."""
+        if not self.eagle3:
+            return self.hidden_size
+        return 3 * (self.target_hidden_size or self.hidden_size)
+
+    def rope_config(self) -> LlamaConfig:
+        # No rope_theta means base 10000 (the EAGLE-3 LLaMA-3.1 checkpoint relies on this).
+        scaling = self.rope.get("rope_scaling")
+        max_pos = self.max_position_embeddings
+        if scaling and scaling.get("original_max_position_embeddings"):
+            max_pos = max(max_pos, scaling["original_max_position_embeddings"] + 1)
+        return LlamaConfig(
+            hidden_size=self.hidden_size,
+            num_attention_heads=self.num_attention_heads,
+            head_dim=self.head_dim,
+            max_position_embeddings=max_pos,
+            rope_theta=self.rope.get("rope_theta", 10000.0),
+            rope_scaling=scaling,
+        )
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class DraftKVCache:
+    """The draft's cache. Positions [0, length) are committed tokens; tree nodes are written after them and
+    forgotten when the round ends (the next round overwrites them)."""
+
+    def __init__(self, capacity: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device):
+        self.keys = torch.empty(1, kv_heads, capacity, head_dim, dtype=dtype, device=device)
+        self.values = torch.empty_like(self.keys)
+        self.length = 0
+
+    @property
+    def capacity(self) -> int:
+        return self.keys.shape[2]
+
+
+class DraftAttention(nn.Module):
+    def __init__(self, cfg: DraftConfig):
+        super().__init__()
+        in_size = 2 * cfg.hidden_size if cfg.eagle3 else cfg.hidden_size
+        self.heads, self.kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.q_proj = nn.Linear(in_size, self.heads * self.head_dim, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(in_size, self.kv_heads * self.head_dim, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(in_size, self.kv_heads * self.head_dim, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(self.heads * self.head_dim, cfg.hidden_size, bias=False)
+
+    def forward(self, x, cos, sin, mask, cache: DraftKVCache, write_at: int) -> torch.Tensor:
+        # x: [1, q, in]; mask: additive float [1, 1, q, write_at + q]
+        b, q, _ = x.shape
+        qs = self.q_proj(x).view(b, q, self.heads, self.head_dim).transpose(1, 2)
+        ks = self.k_proj(x).view(b, q, self.kv_heads, self.head_dim).transpose(1, 2)
+        vs = self.v_proj(x).view(b, q, self.kv_heads, self.head_dim).transpose(1, 2)
+        qs, ks = apply_rotary_pos_emb(qs, ks, cos, sin)
+        end = write_at + q
+        cache.keys[:, :, write_at:end] = ks
+        cache.values[:, :, write_at:end] = vs
+        k_all, v_all = cache.keys[:, :, :end], cache.values[:, :, :end]
+        out = F.scaled_dot_product_attention(
+            qs, k_all, v_all, attn_mask=mask, enable_gqa=self.kv_heads != self.heads
+        )
+        return self.o_proj(out.transpose(1, 2).reshape(b, q, -1))
+
+
+class DraftMLP(nn.Module):
+    def __init__(self, cfg: DraftConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.act = ACT2FN[cfg.hidden_act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DraftLayer(nn.Module):
+    """EAGLE-1/2 layer 0 (no input norm) or the EAGLE-3 midlayer (normed embedding and hidden, 2H attention)."""
+
+    def __init__(self, cfg: DraftConfig):
+        super().__init__()
+        self.eagle3 = cfg.eagle3
+        self.self_attn = DraftAttention(cfg)
+        self.mlp = DraftMLP(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        if cfg.eagle3:
+            self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+            self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, h, emb, cos, sin, mask, cache, write_at) -> torch.Tensor:
+        x = torch.cat([self.input_layernorm(emb), self.hidden_norm(h)], -1) if self.eagle3 else h
+        h = h + self.self_attn(x, cos, sin, mask, cache, write_at)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class DraftHead(nn.Module):
+    """State-dict keys follow the reference checkpoints exactly (see eagle/model/checkpoint.py)."""
+
+    def __init__(self, cfg: DraftConfig, own_embedding: bool = True):
+        """own_embedding=False: the head uses the base model's embedding (`share_embedding`), which stays out of
+        its state dict and is never moved or cast with it (EAGLE-3 checkpoints do not store it)."""
+        super().__init__()
+        self.config = cfg
+        H = cfg.hidden_size
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, H) if own_embedding else None
+        if own_embedding:
+            self.embed_tokens.weight.requires_grad_(False)
+        self._shared_embedding: tuple[nn.Embedding, ...] = ()
+        if cfg.eagle3:
+            self.fc = nn.Linear(cfg.feature_size, H, bias=False)
+            self.midlayer = DraftLayer(cfg)
+            self.norm = RMSNorm(H, cfg.rms_norm_eps)
+            self.lm_head = nn.Linear(H, cfg.draft_vocab_size, bias=False)
+            # d2t: draft id -> target id offset; t2d: which target ids the draft vocabulary covers.
+            self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
+            self.register_buffer("t2d", torch.ones(cfg.vocab_size, dtype=torch.bool))
+        else:
+            self.fc = nn.Linear(2 * H, H, bias=cfg.fc_bias)
+            self.layers = nn.ModuleList([DraftLayer(cfg)])
+        self.rotary_emb = LlamaRotaryEmbedding(cfg.rope_config())
+
+    @property
+    def eagle3(self) -> bool:
+        return self.config.eagle3
+
+    @property
+    def layer(self) -> DraftLayer:
+        return self.midlayer if self.eagle3 else self.layers[0]
+
+    def new_cache(self, capacity: int) -> DraftKVCache:
+        p = self.fc.weight
+        return DraftKVCache(capacity, self.config.num_key_value_heads, self.config.head_dim, p.dtype, p.device)
+
+    def share_embedding(self, embedding: nn.Embedding) -> None:
+        self._shared_embedding = (embedding,)  # a tuple, so nn.Module does not register (and move) it
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        table = self.embed_tokens if self.embed_tokens is not None else self._shared_embedding[0]
+        emb = table(input_ids.to(table.weight.device))
+        return emb.to(device=self.fc.weight.device, dtype=self.fc.weight.dtype)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,  # [1, q, feature_size] base features, or [1, q, H] the head's own outputs (EAGLE-3)
+        input_ids: torch.Tensor,  # [1, q] the tokens one step ahead of the features
+        position_ids: torch.Tensor,  # [1, q]
+        mask: torch.Tensor,  # additive float [1, 1, q, write_at + q]
+        cache: DraftKVCache,
+        write_at: int,
+    ) -> torch.Tensor:  # [1, q, H] predicted next features (EAGLE-3: pre-norm)
+        emb = self.embed(input_ids)
+        hidden = hidden.to(self.fc.weight.dtype)
+        if self.eagle3:
+            h = self.fc(hidden) if hidden.shape[-1] != self.config.hidden_size else hidden
+        else:
+            h = self.fc(torch.cat([emb, hidden], -1))
+        cos, sin = self.rotary_emb(h, position_ids)
+        return self.layer(h, emb, cos, sin, mask, cache, write_at)
+
+    def logits(self, out: torch.Tensor, base_lm_head: nn.Module) -> torch.Tensor:
+        """[..., H] -> [..., draft vocab]: the base lm_head for EAGLE-1/2, the head's own for EAGLE-3."""
+        if self.eagle3:
+            return self.lm_head(self.norm(out))
+        return base_lm_head(out.to(base_lm_head.weight.dtype))
+
+    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        if self.eagle3 and self.config.draft_vocab_size != self.config.vocab_size:
+            return draft_ids + self.d2t[draft_ids]
+        return draft_ids

@@ -1,0 +1,224 @@
+"""`EaModel`: the public API, call-compatible with the reference project (SafeAILab/EAGLE).
+
+    model = EaModel.from_pretrained(base_model_path, ea_model_path, total_token=60, depth=7, top_k=10)
+    ids = model.eagenerate(input_ids, temperature=0.0, max_new_tokens=512)       # prompt + new tokens
+    ids, new_tokens, rounds = model.eagenerate(input_ids, log=True)               # tokens / base forward = new / (rounds + 1)
+    for ids in model.ea_generate(input_ids): ...                                  # streams after each round
+    for r in model.stream(input_ids): r.tokens, r.accepted, r.seconds             # typed rounds, for UIs
+
+`naivegenerate` / `naive_generate` decode one token per base forward on the same code: the vanilla baseline.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Iterator
+
+import torch
+from torch import nn
+
+from .base import BaseModel
+from .checkpoint import build_draft_head, read_checkpoint
+from .draft import Drafter
+from .draft_head import DraftHead
+from .generate import Budget, Round, TreeSpec, eagle_rounds, vanilla_rounds
+from .verify import SamplingParams, TokenPicker
+
+# End-of-turn tokens of common chat templates; those present in the vocabulary stop generation.
+END_OF_TURN_TOKENS = ("<|eot_id|>", "<|im_end|>", "<|end_of_text|>", "<|endoftext|>", "</s>", "<|end|>", "<|eom_id|>")
+AUTO_TREE_SIZES = (8, 12, 16, 24, 32, 40, 48, 60)
+
+
+class EaModel(nn.Module):
+    def __init__(
+        self, base_model: nn.Module, ea_layer: DraftHead, tokenizer=None, total_token: int = 60, depth: int = 7,
+        top_k: int = 10, tree_choices: list[list[int]] | None = None,
+    ):  # fmt: skip
+        super().__init__()
+        self.base_model = base_model
+        self.ea_layer = ea_layer
+        self.tokenizer = tokenizer
+        self.use_eagle3 = ea_layer.eagle3
+        self.base = BaseModel(base_model, ea_layer.eagle3)
+        self.hidden_size = self.base.hidden_size
+        self.vocab_size = self.base.vocab_size
+        self.config = base_model.config
+        self.tree = TreeSpec(total_token, depth, top_k, tuple(map(tuple, tree_choices)) if tree_choices else None)
+        self._validate_tree(self.tree)
+        self.stop_token_ids = self._default_stop_ids()
+        self._cache = None
+
+    # ---------------------------------------------------------------------------------------------------------
+    @classmethod
+    def from_pretrained(
+        cls, base_model_path: str | None = None, ea_model_path: str | None = None, total_token: int = 60,
+        depth: int = 7, top_k: int = 10, use_eagle3: bool | None = None, threshold: float = 1.0,
+        tree_choices: list[list[int]] | None = None, **kwargs,
+    ) -> "EaModel":  # fmt: skip
+        """Load the base through transformers (`kwargs` go to its `from_pretrained`: torch_dtype/dtype,
+        device_map, low_cpu_mem_usage, gguf_file, ...) and the draft head from `ea_model_path` (folder or hub id).
+
+        `use_eagle3` forces the draft format (None = detect from the keys). `threshold` is accepted for
+        compatibility and unused, as in the reference. `tree_choices` selects an EAGLE-1 static tree."""
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        if base_model_path is None or ea_model_path is None:
+            raise ValueError("from_pretrained needs base_model_path and ea_model_path")
+        if "torch_dtype" in kwargs:  # the reference's spelling; transformers 5 calls it dtype
+            kwargs.setdefault("dtype", kwargs.pop("torch_dtype"))
+        kwargs.setdefault("dtype", "auto")
+        if kwargs.get("attn_implementation", "").startswith("flash"):
+            raise ValueError("tree verification needs arbitrary 4D masks: use attn_implementation='sdpa' or 'eager'")
+        tok_kwargs = {"gguf_file": kwargs["gguf_file"]} if "gguf_file" in kwargs else {}
+        tokenizer = AutoTokenizer.from_pretrained(base_model_path, **tok_kwargs)
+        base = AutoModelForCausalLM.from_pretrained(base_model_path, **kwargs).eval()
+        config, state = read_checkpoint(ea_model_path)
+        head = load_head(base, config, state, use_eagle3)
+        model = cls(base, head, tokenizer, max(total_token, 2), depth, top_k, tree_choices)
+        if total_token == -1:
+            model.tree = TreeSpec(model.pick_total_token(), depth, top_k, model.tree.choices)
+        return model.eval()
+
+    def get_tokenizer(self):
+        return self.tokenizer
+
+    def _validate_tree(self, tree: TreeSpec) -> None:
+        if tree.choices:
+            return
+        if tree.depth < 1 or tree.top_k < 1 or tree.total_token < 2:
+            raise ValueError(f"need depth >= 1, top_k >= 1, total_token >= 2 (or -1 = auto), got {tree}")
+        if tree.top_k > self.ea_layer.config.draft_vocab_size:
+            raise ValueError(f"top_k={tree.top_k} exceeds the draft vocabulary ({self.ea_layer.config.draft_vocab_size})")
+
+    def _default_stop_ids(self) -> set[int]:
+        ids: set[int] = set()
+        for source in (self.base_model.config, getattr(self.base_model, "generation_config", None), self.tokenizer):
+            eos = getattr(source, "eos_token_id", None)
+            ids.update(eos if isinstance(eos, (list, tuple)) else [] if eos is None else [eos])
+        if self.tokenizer is not None:
+            vocab = self.tokenizer.get_vocab()
+            ids.update(vocab[t] for t in END_OF_TURN_TOKENS if t in vocab)
+        return ids
+
+    # ---------------------------------------------------------------------------------------------------------
+    def _check_input(self, input_ids) -> torch.Tensor:
+        input_ids = torch.as_tensor(input_ids)
+        if input_ids.dim() == 1:
+            input_ids = input_ids[None]
+        if input_ids.dim() != 2 or input_ids.shape[0] != 1:
+            raise ValueError(f"batch size must be 1 (input_ids of shape [1, n]), got shape {list(input_ids.shape)}")
+        if input_ids.shape[1] == 0:
+            raise ValueError("input_ids is empty: give at least one prompt token")
+        if int(input_ids.max()) >= self.vocab_size or int(input_ids.min()) < 0:
+            raise ValueError(f"input_ids holds ids outside the vocabulary [0, {self.vocab_size})")
+        return input_ids.cpu()
+
+    def _base_cache(self, capacity: int):
+        """One preallocated cache, reused across calls and grown when a call needs more."""
+        if self._cache is None or self._cache.capacity < capacity:
+            self._cache = self.base.new_cache(capacity)
+        self._cache.crop_to(0)
+        return self._cache
+
+    @torch.inference_mode()
+    def stream(
+        self, input_ids, temperature: float = 0.0, top_p: float = 0.0, top_k: int = 0, max_new_tokens: int = 512,
+        max_length: int = 2048, eagle: bool = True, stop_token_ids=None, tree: TreeSpec | None = None,
+    ) -> Iterator[Round]:  # fmt: skip
+        """Typed rounds: `Round.tokens`, `.accepted` (drafted and accepted), `.seconds`, `.stop`."""
+        input_ids = self._check_input(input_ids)
+        picker = TokenPicker(SamplingParams(float(temperature), float(top_p or 0.0), int(top_k or 0)))
+        stops = self.stop_token_ids if stop_token_ids is None else set(stop_token_ids)
+        budget = Budget(input_ids.shape[1], max_new_tokens, max_length, stops)
+        tree = tree or self.tree
+        self._validate_tree(tree)
+        cache = self._base_cache(input_ids.shape[1] + budget.limit + tree.max_nodes + 1)
+        if not eagle:
+            yield from vanilla_rounds(self.base, input_ids, picker, budget, cache)
+            return
+        capacity = input_ids.shape[1] + budget.limit + tree.max_draft_entries + 1
+        drafter = Drafter(self.ea_layer, self.base.lm_head, capacity)
+        yield from eagle_rounds(self.base, drafter, input_ids, picker, budget, tree, cache)
+
+    def _generate(self, input_ids, eagle: bool, log: bool, **kw):
+        input_ids = self._check_input(input_ids)
+        new, rounds = [], 0
+        for r in self.stream(input_ids, eagle=eagle, **kw):
+            new += r.tokens
+            rounds += 1
+        ids = torch.cat([input_ids, torch.tensor([new], dtype=input_ids.dtype)], dim=1)
+        # rounds - 1 verification passes follow the prefill: new_tokens / (that + 1) = tokens per base forward
+        return (ids, len(new), rounds - 1) if log else ids
+
+    def _stream_ids(self, input_ids, eagle: bool, **kw):
+        input_ids = self._check_input(input_ids)
+        ids = input_ids
+        for r in self.stream(input_ids, eagle=eagle, **kw):
+            ids = torch.cat([ids, torch.tensor([r.tokens], dtype=ids.dtype)], dim=1)
+            yield ids
+
+    def eagenerate(self, input_ids, temperature=0.0, top_p=0.0, top_k=0, max_new_tokens=512, max_length=2048,
+                   log=False, is_llama3=False, **kw):  # fmt: skip
+        """EAGLE decoding. Returns ids [1, prompt + new], or (ids, new_tokens, rounds) with log=True.
+        `is_llama3` is accepted for compatibility: <|eot_id|> always stops when the vocabulary has it."""
+        return self._generate(input_ids, True, log, temperature=temperature, top_p=top_p, top_k=top_k,
+                              max_new_tokens=max_new_tokens, max_length=max_length, **kw)  # fmt: skip
+
+    def naivegenerate(self, input_ids, temperature=0.0, top_p=0.0, top_k=0, max_new_tokens=512, max_length=2048,
+                      log=False, is_llama3=False, **kw):  # fmt: skip
+        """Vanilla decoding (one token per base forward) on the same model code: the baseline."""
+        return self._generate(input_ids, False, log, temperature=temperature, top_p=top_p, top_k=top_k,
+                              max_new_tokens=max_new_tokens, max_length=max_length, **kw)  # fmt: skip
+
+    def ea_generate(self, input_ids, temperature=0.0, top_p=0.0, top_k=0, max_new_tokens=512, max_length=2048,
+                    log=False, is_llama3=False, **kw):  # fmt: skip
+        """Streaming EAGLE: yields ids [1, prompt + new so far] after every round."""
+        yield from self._stream_ids(input_ids, True, temperature=temperature, top_p=top_p, top_k=top_k,
+                                    max_new_tokens=max_new_tokens, max_length=max_length, **kw)  # fmt: skip
+
+    def naive_generate(self, input_ids, temperature=0.0, top_p=0.0, top_k=0, max_new_tokens=512, max_length=2048,
+                       log=False, is_llama3=False, **kw):  # fmt: skip
+        """Streaming vanilla decoding: yields ids after every token."""
+        yield from self._stream_ids(input_ids, False, temperature=temperature, top_p=top_p, top_k=top_k,
+                                    max_new_tokens=max_new_tokens, max_length=max_length, **kw)  # fmt: skip
+
+    # ---------------------------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def pick_total_token(self, sizes=AUTO_TREE_SIZES, repeats: int = 5) -> int:
+        """total_token=-1: time one verification pass per tree size on this device and pick the size with the
+        best expected tokens per second. Acceptance grows slowly with the tree (a concave curve: doubling the
+        tree adds about a tenth to the accepted length in the EAGLE-2 ablations), cost grows with the pass time."""
+        import math
+
+        prefix = 256
+        ids = torch.randint(0, self.vocab_size - 1, (1, prefix))
+        best, best_rate = sizes[0], 0.0
+        for n in sizes:
+            cache = self.base.new_cache(prefix + n)
+            self.base.forward(ids, torch.arange(prefix)[None], cache, features=False, last_logits_only=True)
+            tree_ids = torch.randint(0, self.vocab_size - 1, (1, n))
+            positions = torch.arange(prefix, prefix + n)[None]
+            times = []
+            for _ in range(repeats):
+                cache.crop_to(prefix)
+                if torch.cuda.is_available():
+                    torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                self.base.forward(tree_ids, positions, cache, features=True)
+                if torch.cuda.is_available():
+                    torch.cuda.synchronize()
+                times.append(time.perf_counter() - t0)
+            rate = (1 + 0.15 * math.log2(n)) / min(times)
+            if rate > best_rate:
+                best, best_rate = n, rate
+        return best
+
+
+def load_head(base: nn.Module, config: dict, state: dict, use_eagle3: bool | None = None) -> DraftHead:
+    """Build the head for `base`, on the device of its lm_head, in its dtype."""
+    text = base.config.get_text_config()
+    lm_head = base.get_output_embeddings()
+    head = build_draft_head(
+        config, state, base.get_input_embeddings(), text.hidden_size, lm_head.weight.shape[0], use_eagle3
+    )
+    return head.to(device=lm_head.weight.device, dtype=lm_head.weight.dtype).eval()

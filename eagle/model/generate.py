@@ -1,0 +1,147 @@
+"""The decoding loops, as streams of rounds: prefill, then draft -> verify -> accept until a stop.
+
+One round = one base forward pass. Each yields a `Round` with the tokens it produced, of which the first
+`accepted` were proposed by the draft and accepted, and the last one (if not cut by a stop) is the base's own.
+Vanilla decoding is the same loop with a root-only tree: every round yields exactly one base token.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+
+from .base import BaseModel, tree_mask
+from .draft import Drafter
+from .tree import DraftTree
+from .verify import TokenPicker, accept
+
+
+@dataclass
+class Round:
+    tokens: list[int]  # the new token ids of this round, in order
+    accepted: int  # tokens[:accepted] were drafted and accepted; tokens[accepted:] came from the base itself
+    seconds: float  # wall time of the round (device work included: the loop syncs to read the tokens)
+    stop: str | None = None  # "eos", "max_new_tokens" or "max_length" on the last round
+
+    @property
+    def from_draft(self) -> list[bool]:
+        return [i < self.accepted for i in range(len(self.tokens))]
+
+
+@dataclass(frozen=True)
+class TreeSpec:
+    """EAGLE-2 dynamic tree (total_token, depth, top_k) or, with `choices`, an EAGLE-1 static tree."""
+
+    total_token: int = 60
+    depth: int = 7
+    top_k: int = 10
+    choices: tuple | None = None
+
+    @property
+    def max_nodes(self) -> int:
+        return len(self.choices) + 1 if self.choices else self.total_token
+
+    @property
+    def max_draft_entries(self) -> int:
+        return len(self.choices) if self.choices else self.depth * self.top_k
+
+
+class Budget:
+    """Stops: a stop token (kept, nothing after it), max_new_tokens and max_length (prompt + new)."""
+
+    def __init__(self, prompt_len: int, max_new_tokens: int, max_length: int, stop_ids: set[int]):
+        if max_new_tokens <= 0:
+            raise ValueError(f"max_new_tokens must be > 0, got {max_new_tokens}")
+        if prompt_len >= max_length:
+            raise ValueError(
+                f"the prompt has {prompt_len} tokens, max_length is {max_length}: no room to generate. "
+                "Shorten the prompt or raise max_length."
+            )
+        self.limit = min(max_new_tokens, max_length - prompt_len)
+        self.limit_reason = "max_new_tokens" if max_new_tokens <= max_length - prompt_len else "max_length"
+        self.stop_ids = stop_ids
+        self.produced = 0
+
+    def take(self, tokens: list[int]) -> tuple[list[int], str | None]:
+        """Cut a round's tokens at the first stop token (inclusive) or the length limit."""
+        for i, t in enumerate(tokens):
+            if t in self.stop_ids:
+                tokens, reason = tokens[: i + 1], "eos"
+                break
+        else:
+            reason = None
+        room = self.limit - self.produced
+        if len(tokens) >= room:
+            tokens, reason = tokens[:room], reason if len(tokens) == room and reason else self.limit_reason
+        self.produced += len(tokens)
+        return tokens, reason
+
+
+def _prefill(base: BaseModel, input_ids: torch.Tensor, cache, features: bool):
+    n = input_ids.shape[1]
+    positions = torch.arange(n)[None]
+    return base.forward(input_ids, positions, cache, features=features, last_logits_only=True)
+
+
+# -------------------------------------------------------------------------------------------------------------
+def vanilla_rounds(
+    base: BaseModel, input_ids: torch.Tensor, picker: TokenPicker, budget: Budget, cache
+) -> Iterator[Round]:
+    """One token per base forward, on the same model code and cache as EAGLE (the baseline)."""
+    root_only = DraftTree([0], [-1])
+    t0 = time.perf_counter()
+    logits, _ = _prefill(base, input_ids, cache, features=False)
+    position = input_ids.shape[1]
+    while True:
+        _, token = accept(root_only, logits, picker)
+        tokens, stop = budget.take([token])
+        yield Round(tokens, 0, time.perf_counter() - t0, stop)
+        if stop:
+            return
+        t0 = time.perf_counter()
+        logits, _ = base.forward(torch.tensor([[token]]), torch.tensor([[position]]), cache, features=False)
+        position += 1
+
+
+def eagle_rounds(
+    base: BaseModel, drafter: Drafter, input_ids: torch.Tensor, picker: TokenPicker, budget: Budget,
+    tree_spec: TreeSpec, cache,
+) -> Iterator[Round]:  # fmt: skip
+    t0 = time.perf_counter()
+    # prefill: the base reads the prompt and produces the first token (the first root)
+    logits, features = _prefill(base, input_ids, cache, features=True)
+    _, root = accept(DraftTree([0], [-1]), logits, picker)
+    tokens, stop = budget.take([root])
+    yield Round(tokens, 0, time.perf_counter() - t0, stop)
+    if stop:
+        return
+    t0 = time.perf_counter()
+    committed = input_ids.shape[1]  # tokens in the base cache; the root is pending
+    drafter.commit(features, input_ids[0, 1:].tolist() + [root])
+    while True:
+        # draft
+        if tree_spec.choices:
+            tree = drafter.static_tree(root, tree_spec.choices)
+        else:
+            tree = drafter.dynamic_tree(root, tree_spec.total_token, tree_spec.depth, tree_spec.top_k)
+        # verify: one base pass over all tree nodes
+        ids = torch.tensor([tree.tokens])
+        positions = torch.tensor([[committed + d for d in tree.depth]])
+        mask = tree_mask(committed, tree.ancestor_mask(), base.dtype, base.input_device)
+        logits, features = base.forward(ids, positions, cache, mask=mask)
+        path, root = accept(tree, logits, picker)
+        # accept: keep the path's KV rows, feed the path to the draft
+        cache.compact([committed + i for i in path], committed)
+        new_tokens = tree.path_tokens(path[1:]) + [root]
+        tokens, stop = budget.take(new_tokens)
+        accepted = min(len(path) - 1, len(tokens))
+        yield Round(tokens, accepted, time.perf_counter() - t0, stop)
+        if stop:
+            return
+        t0 = time.perf_counter()
+        index = torch.tensor(path, device=features.device)
+        drafter.commit(features.index_select(0, index), new_tokens)
+        committed += len(path)

@@ -1,0 +1,100 @@
+"""A preallocated, compactable KV cache that plugs into transformers' `Cache` API.
+
+Each layer owns fixed buffers `keys`/`values` of shape [1, kv_heads, capacity, head_dim]; only the first `length`
+positions are valid. `update` writes new states in place and returns views of the valid prefix, so a forward pass
+never concatenates (DynamicCache copies the whole cache on every step). After tree verification, `compact` moves
+the accepted tree rows into the contiguous prefix and rejected rows are simply overwritten by the next pass.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+
+class PreallocatedLayer(CacheLayerMixin):
+    """One attention layer's cache; buffers are allocated on first use, on the device of the layer."""
+
+    is_croppable = True
+    is_sliding = False
+
+    def __init__(self, capacity: int):
+        super().__init__()
+        self.capacity = capacity
+        self.length = 0
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        batch, heads, _, head_dim = key_states.shape
+        self.keys = key_states.new_empty(batch, heads, self.capacity, head_dim)
+        self.values = value_states.new_empty(batch, heads, self.capacity, value_states.shape[-1])
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        n = key_states.shape[-2]
+        end = self.length + n
+        if end > self.capacity:
+            raise RuntimeError(
+                f"KV cache overflow: {end} positions needed, {self.capacity} allocated. "
+                "Raise max_length in eagenerate (the cache is sized max_length + tree size)."
+            )
+        self.keys[:, :, self.length : end] = key_states
+        self.values[:, :, self.length : end] = value_states
+        self.length = end
+        return self.keys[:, :, :end], self.values[:, :, :end]
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.length + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def get_max_length(self) -> int:
+        return self.capacity
+
+    def reset(self) -> None:
+        self.length = 0
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Drop the last `-tokens_to_remove` positions (transformers' 5.18+ convention: a negative count)."""
+        if tokens_to_remove > 0:
+            raise ValueError("crop takes a negative number of tokens to remove")
+        self.length = max(0, self.length + tokens_to_remove)
+
+    def compact(self, keep: torch.Tensor, start: int) -> None:
+        """Move positions `keep` (ascending, all >= start) to [start, start + len(keep)) and truncate there."""
+        if not self.is_initialized:
+            return
+        n = keep.numel()
+        keep = keep.to(self.keys.device)
+        # index_select copies first, so overlapping source and destination ranges are safe.
+        self.keys[:, :, start : start + n] = self.keys.index_select(2, keep)
+        self.values[:, :, start : start + n] = self.values.index_select(2, keep)
+        self.length = start + n
+
+
+class TreeKVCache(Cache):
+    """A `Cache` of `PreallocatedLayer`s with one shared length; see the module docstring."""
+
+    def __init__(self, num_layers: int, capacity: int):
+        super().__init__(layers=[PreallocatedLayer(capacity) for _ in range(num_layers)])
+        self.capacity = capacity
+
+    @property
+    def length(self) -> int:
+        return self.layers[0].length
+
+    def crop_to(self, length: int) -> None:
+        for layer in self.layers:
+            layer.length = length
+
+    def compact(self, keep: list[int], start: int) -> None:
+        """Keep cache positions `keep` (absolute, ascending) as positions start, start+1, ...; drop the rest."""
+        if keep == list(range(start, start + len(keep))):  # already in place: only truncate
+            self.crop_to(start + len(keep))
+            return
+        index = torch.tensor(keep, dtype=torch.long)
+        for layer in self.layers:
+            layer.compact(index, start)
