@@ -32,18 +32,30 @@ def _resolve(path: str, filename: str) -> str | None:
         f = os.path.join(path, filename)
         return f if os.path.exists(f) else None
     from huggingface_hub import hf_hub_download
-    from huggingface_hub.errors import EntryNotFoundError
+    from huggingface_hub.errors import EntryNotFoundError, LocalEntryNotFoundError
 
     try:
         return hf_hub_download(path, filename)
-    except EntryNotFoundError:
-        return None
+    except EntryNotFoundError as e:
+        if isinstance(e, LocalEntryNotFoundError) and not _cached_repo(path):
+            raise CheckpointError(
+                f"cannot read draft checkpoint '{path}': it is not a local folder, the hub is unreachable (or "
+                "HF_HUB_OFFLINE is set) and it is not in the hub cache. Pass --ea-model-path / ea_model_path="
+                "<folder with config.json and model.safetensors or pytorch_model.bin>."
+            ) from None
+        return None  # the repo exists but lacks this file
     except Exception as e:  # offline, unknown repo, auth
         raise CheckpointError(
             f"cannot read draft checkpoint '{path}': it is not a local folder and the hub gave "
             f"{type(e).__name__}: {e}. Pass --ea-model-path / ea_model_path=<folder with config.json and "
             f"model.safetensors or pytorch_model.bin>."
         ) from None
+
+
+def _cached_repo(repo_id: str) -> bool:
+    from huggingface_hub import try_to_load_from_cache
+
+    return isinstance(try_to_load_from_cache(repo_id, "config.json"), str)
 
 
 def read_checkpoint(path: str) -> tuple[dict, dict[str, torch.Tensor]]:

@@ -1,0 +1,121 @@
+"""Tree construction invariants and KV compaction (base and draft caches equal a full recompute)."""
+
+import pytest
+import torch
+from tiny import random_draft, tiny_base
+from transformers import DynamicCache
+
+from eagle.model.checkpoint import read_checkpoint
+from eagle.model.draft import Drafter
+from eagle.model.ea_model import EaModel, load_head
+from eagle.model.generate import Budget, TreeSpec, eagle_rounds
+from eagle.model.kv_cache import TreeKVCache
+from eagle.model.tree import MC_SIM_7B_63, DraftTree
+from eagle.model.verify import SamplingParams, TokenPicker
+
+
+def make_model(tmp_path, eagle3=False, arch="llama"):
+    base = tiny_base(arch)
+    config, state = read_checkpoint(random_draft(base, str(tmp_path / "d"), eagle3=eagle3, draft_vocab=12 if eagle3 else None))
+    return EaModel(base, load_head(base, config, state), None)
+
+
+def primed_drafter(model, prompt_len=9):
+    """A drafter that has committed a random prompt's features, as after prefill."""
+    torch.manual_seed(0)
+    ids = torch.randint(0, model.vocab_size, (1, prompt_len))
+    cache = model.base.new_cache(64)
+    _, features = model.base.forward(ids, torch.arange(prompt_len)[None], cache)
+    drafter = Drafter(model.ea_layer, model.base.lm_head, 256)
+    drafter.commit(features, ids[0, 1:].tolist() + [3])
+    return drafter
+
+
+def assert_well_formed(tree: DraftTree):
+    mask = tree.ancestor_mask()
+    for i in range(1, len(tree)):
+        p = tree.parents[i]
+        assert p < i, "parents precede children"
+        expected = mask[p].clone()
+        expected[i] = True
+        assert torch.equal(mask[i], expected), "mask row = parent's row + self (ancestor-closed)"
+        assert tree.depth[i] == tree.depth[p] + 1 == int(mask[i].sum()) - 1
+    for kids in tree.children:
+        assert len(kids) == len(set(kids)), "siblings carry distinct tokens"
+
+
+@pytest.mark.parametrize("eagle3", [False, True], ids=["eagle12", "eagle3"])
+def test_dynamic_tree_is_ancestor_closed_with_total_token_nodes(tmp_path, eagle3):
+    model = make_model(tmp_path, eagle3)
+    drafter = primed_drafter(model)
+    for total, depth, k in [(60, 7, 10), (12, 3, 4), (5, 1, 2), (30, 6, 3)]:
+        tree = drafter.dynamic_tree(3, total, depth, k)
+        assert len(tree) == min(total, 1 + k + depth * k * k)
+        assert max(tree.depth) <= depth + 1
+        assert_well_formed(tree)
+        assert drafter.cache.length == 9, "tree expansion never commits to the draft cache"
+
+
+def test_dynamic_tree_stays_closed_when_children_tie_with_parents(tmp_path):
+    """A draft certain of its next token gives children the parent's exact score; ties must keep parents."""
+    model = make_model(tmp_path, eagle3=True)
+    with torch.no_grad():
+        model.ea_layer.lm_head.weight.zero_()
+        model.ea_layer.lm_head.weight[5].fill_(1e4)  # log-prob 0 for draft id 5, -inf-ish elsewhere
+    drafter = primed_drafter(model)
+    tree = drafter.dynamic_tree(3, 40, 7, 4)
+    assert_well_formed(tree)
+    assert max(tree.depth) == 8  # the certain chain runs the full depth
+
+
+def test_static_tree_has_the_reference_shape(tmp_path):
+    model = make_model(tmp_path)
+    tree = primed_drafter(model).static_tree(3, MC_SIM_7B_63)
+    assert len(tree) == 26 and max(tree.depth) == 5
+    assert_well_formed(tree)
+    assert sum(d == 1 for d in tree.depth) == 4
+
+
+@pytest.mark.parametrize("eagle3", [False, True], ids=["eagle12", "eagle3"])
+def test_caches_after_compaction_equal_a_full_recompute(tmp_path, eagle3):
+    model = make_model(tmp_path, eagle3, arch="qwen2")
+    prompt = torch.tensor([[4, 9, 2, 7, 7, 3]])
+    cache = model.base.new_cache(128)
+    drafter = Drafter(model.ea_layer, model.base.lm_head, 256)
+    budget = Budget(prompt.shape[1], 30, 2048, set())
+    rounds = list(eagle_rounds(model.base, drafter, prompt, TokenPicker(SamplingParams()), budget, TreeSpec(), cache))
+    tokens = prompt[0].tolist() + [t for r in rounds for t in r.tokens]
+    assert sum(r.accepted for r in rounds) > 0, "no acceptance: compaction was not exercised"
+    committed = len(tokens) - 1  # the last token is the pending root
+    assert cache.length >= committed  # a path cut by max_new_tokens may leave extra accepted rows
+
+    fresh = DynamicCache()
+    ids = torch.tensor([tokens[:committed]])
+    with torch.no_grad():
+        _, features = model.base.forward(ids, torch.arange(committed)[None], fresh_cache := model.base.new_cache(128))
+        model.base_model(ids, past_key_values=fresh, use_cache=True)
+    for ours, ref in zip(cache.layers, fresh.layers):
+        torch.testing.assert_close(ours.keys[:, :, :committed], ref.keys, atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(ours.values[:, :, :committed], ref.values, atol=1e-5, rtol=1e-4)
+
+    # The draft's committed cache and last output equal a draft run over the same committed positions
+    # (the draft skips feeding the final round: generation stopped there).
+    assert fresh_cache.length == committed
+    n = drafter.cache.length
+    assert prompt.shape[1] < n < committed
+    replay = Drafter(model.ea_layer, model.base.lm_head, 256)
+    replay.commit(features[:n], tokens[1 : n + 1])
+    torch.testing.assert_close(drafter.cache.keys[:, :, :n], replay.cache.keys[:, :, :n], atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(drafter.last, replay.last, atol=1e-5, rtol=1e-4)
+
+
+def test_compact_moves_kept_rows_into_the_prefix():
+    cache = TreeKVCache(num_layers=2, capacity=10)
+    states = torch.arange(8.0).view(1, 1, 8, 1)
+    for layer in cache.layers:
+        layer.update(states, -states)
+    cache.compact([3, 5, 6], start=3)  # keep row 3 (root) and rows 5, 6 of the tree
+    for layer in cache.layers:
+        assert layer.get_seq_length() == 6
+        assert layer.keys[0, 0, :6, 0].tolist() == [0, 1, 2, 3, 5, 6]
+        assert layer.values[0, 0, :6, 0].tolist() == [0, -1, -2, -3, -5, -6]
