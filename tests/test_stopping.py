@@ -1,5 +1,7 @@
 """Stops (stop tokens, max_new_tokens, max_length), the typed stream, and the log=True counters."""
 
+import itertools
+
 import pytest
 import torch
 from tiny import random_draft, tiny_base
@@ -58,3 +60,16 @@ def test_log_gives_tokens_per_base_forward(model):
     assert rounds + 1 == forwards and new_tokens == 30
     _, n, r = model.naivegenerate(PROMPT, max_new_tokens=30, stop_token_ids=[], log=True)
     assert n / (r + 1) == 1.0
+
+
+def test_interleaved_streams_do_not_share_state(model):
+    other = torch.tensor([[9, 9, 4]])
+    expected_a = model.eagenerate(PROMPT, max_new_tokens=20, stop_token_ids=[])[0, 4:].tolist()
+    expected_b = model.eagenerate(other, max_new_tokens=20, stop_token_ids=[])[0, 3:].tolist()
+    a = model.stream(PROMPT, max_new_tokens=20, stop_token_ids=[])
+    b = model.stream(other, max_new_tokens=20, stop_token_ids=[])
+    got_a, got_b = [], []
+    for ra, rb in itertools.zip_longest(a, b):  # alternate rounds of the two generations
+        got_a += ra.tokens if ra else []
+        got_b += rb.tokens if rb else []
+    assert (got_a, got_b) == (expected_a, expected_b)

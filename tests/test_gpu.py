@@ -1,0 +1,34 @@
+"""CUDA checks (skipped without a GPU): the same losslessness on the device, in fp32 and half precision."""
+
+import pytest
+import torch
+from tiny import random_draft, save_base, tiny_base
+
+from eagle.model.ea_model import EaModel
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    root = tmp_path_factory.mktemp("gpu")
+    base = tiny_base("llama")
+    save_base(base, str(root / "base"))
+    return str(root / "base"), random_draft(base, str(root / "d"), eagle3=True, draft_vocab=12)
+
+
+def test_fp32_on_cuda_equals_greedy_generate(folders):
+    model = EaModel.from_pretrained(*folders, dtype=torch.float32, device_map="cuda")
+    ids = torch.tensor([[3, 4, 5, 6]])
+    ref = model.base_model.generate(ids.cuda(), attention_mask=torch.ones_like(ids).cuda(), do_sample=False,
+                                    max_new_tokens=48, min_new_tokens=48)  # fmt: skip
+    out = model.eagenerate(ids, max_new_tokens=48, stop_token_ids=[])
+    assert out.tolist() == ref.cpu().tolist()
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_on_cuda_runs_and_accepts(folders, dtype):
+    model = EaModel.from_pretrained(*folders, dtype=dtype, device_map="auto")
+    out, new_tokens, rounds = model.eagenerate(torch.tensor([[3, 4, 5, 6]]), max_new_tokens=48, log=True,
+                                               stop_token_ids=[])  # fmt: skip
+    assert new_tokens == 48 and new_tokens / (rounds + 1) > 1.0
