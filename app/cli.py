@@ -1,0 +1,116 @@
+"""Command line: `python launch.py [--model-type smollm2|llama3|llama3.1|vicuna|llama2|mixtral|qwen2] ...`."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from .models import ALIASES, DTYPES, MODEL_TYPES, ModelLoadError
+
+EXAMPLES = """examples:
+  python launch.py                                   # SmolLM2-135M-Instruct + its EAGLE-3 head, on CPU
+  python launch.py --model-type llama3.1             # Llama-3.1-8B-Instruct + EAGLE3-LLaMA3.1-Instruct-8B
+  python launch.py --model-type vicuna --base-model-path ~/models/vicuna-7b-v1.3 --ea-model-path ~/models/eagle
+  python launch.py --share --auth me:secret          # a public link, with a login
+"""
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="launch.py", description="Chat with an EAGLE speculative decoder in the browser.",
+        epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )  # fmt: skip
+    types = [*MODEL_TYPES, *ALIASES]
+    p.add_argument("--model-type", default="smollm2", metavar="TYPE", help=f"chat template and default "
+                   f"checkpoints: {', '.join(types)} (default: smollm2, the embedded model)")  # fmt: skip
+    p.add_argument("--base-model-path", help="base model folder or hub id (default: the model type's)")
+    p.add_argument("--ea-model-path", help="EAGLE head folder or hub id (default: the model type's)")
+    p.add_argument("--total-token", type=int, default=60, help="draft tree size per round; -1 = pick by timing")
+    p.add_argument("--depth", type=int, default=7, help="draft tree depth (default 7)")
+    p.add_argument("--top-k", type=int, default=10, help="draft tree branching (default 10)")
+    p.add_argument("--dtype", default="auto", choices=DTYPES,
+                   help="weights dtype; auto = float32 on CPU, float16 on GPU (bfloat16 for qwen2)")  # fmt: skip
+    p.add_argument("--device-map", default=None, help="transformers device_map (default: auto on GPU, cpu)")
+    p.add_argument("--max-new-tokens", type=int, default=512, help="default reply length limit (default 512)")
+    p.add_argument("--max-length", type=int, default=2048,
+                   help="context budget, prompt + reply (default 2048, capped by the model's)")  # fmt: skip
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 = all)")
+    p.add_argument("--port", type=int, default=None, help="port (default: 7860 or the next free one)")
+    p.add_argument("--share", action="store_true", help="also make a public *.gradio.live link (use --auth)")
+    p.add_argument("--auth", metavar="USER:PASSWORD", help="require this login")
+    p.add_argument("--no-warmup", action="store_true", help="skip the short warm-up generation")
+    return p
+
+
+def parse_auth(value: str | None):
+    if not value:
+        return None
+    user, sep, password = value.partition(":")
+    if not sep or not user or not password:
+        raise SystemExit("--auth needs USER:PASSWORD, for example --auth alice:s3cret")
+    return (user, password)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parser().parse_args(argv)
+    auth = parse_auth(args.auth)
+    os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
+    try:
+        engine = load_engine(args)
+    except ModelLoadError as e:
+        print(f"\nCannot start: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+    from .ui import build, launch_options
+
+    demo = build(engine, max_new_tokens=args.max_new_tokens)
+    if args.share and not auth:
+        print("note: --share makes the page public; consider --auth USER:PASSWORD")
+    try:
+        demo.launch(server_name=args.host, server_port=args.port, share=args.share, auth=auth,
+                    prevent_thread_lock=True, **launch_options())  # fmt: skip
+    except OSError as e:  # the port is taken, or the address is not this machine's
+        print(f"\nCannot serve on {args.host}:{args.port or 'default port'}: {e}\n"
+              "Pick another with --port N (or --host).", file=sys.stderr)  # fmt: skip
+        raise SystemExit(2) from None
+    print(f"\nEAGLE chat ready: {demo.local_url}")
+    if args.share:
+        if demo.share_url:
+            print(f"public link: {demo.share_url}")
+        else:
+            print("Could not create the public --share link (the tunnel needs internet access to gradio.live); "
+                  f"still serving locally at {demo.local_url}")  # fmt: skip
+    try:
+        demo.block_thread()
+    except KeyboardInterrupt:
+        pass
+
+
+def load_engine(args):
+    """Model type -> loaded model -> Engine (with a warm-up). Raises ModelLoadError."""
+    from .engine import Engine
+    from .models import load, model_type
+    from .templates import default_system_prompt
+
+    mtype = model_type(args.model_type)
+    if args.base_model_path or args.ea_model_path:
+        print(f"Loading with model type '{mtype.name}' (its chat template) and the paths given")
+    else:
+        print(f"Loading model type '{mtype.name}'" + (f" ({mtype.note})" if mtype.note else ""))
+    loaded = load(mtype, args.base_model_path, args.ea_model_path, args.total_token, args.depth, args.top_k,
+                  args.dtype, args.device_map)  # fmt: skip
+    model = loaded.model
+    tree = model.tree
+    info = {
+        "model_type": mtype.name, "base": args.base_model_path or mtype.base or "SmolLM2-135M-Instruct (embedded)",
+        "head": args.ea_model_path or mtype.head, "draft": "EAGLE-3" if model.use_eagle3 else "EAGLE-1/2",
+        "tree": f"total_token={tree.total_token}, depth={tree.depth}, top_k={tree.top_k}",
+        "dtype_device": f"{loaded.dtype} / {loaded.device}",
+    }  # fmt: skip
+    system = mtype.system_prompt or default_system_prompt(mtype.template)
+    name = f"{mtype.name}: {os.path.basename(str(info['base']).rstrip('/'))} + {info['draft']} head"
+    engine = Engine(model, mtype.template, args.max_length, name=name, default_system=system, info=info)
+    if not args.no_warmup:
+        print("[3/3] warming up (one short generation each way)")
+        engine.warmup()
+    return engine

@@ -1,0 +1,68 @@
+"""The loaded model as the app uses it: prompts for its chat template, and one generation at a time.
+
+The model holds a single KV cache, so two generations must never interleave. The Gradio queue already runs
+generation events one at a time (one concurrency group, limit 1); the lock here also covers the moment
+after a Stop, when a cancelled run may still be finishing its current round in a worker thread.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Iterator, Sequence
+
+from eagle.model.generate import Round
+
+from .templates import FittedPrompt, Turn, build_prompt, encode, fit_turns, resolve_kind
+
+LOCK_TIMEOUT_S = 300.0
+
+
+class EngineBusy(RuntimeError):
+    pass
+
+
+class Engine:
+    def __init__(self, model, template: str = "chat-template", max_length: int | None = None, name: str = "",
+                 default_system: str = "", info: dict | None = None):  # fmt: skip
+        self.model = model
+        self.tokenizer = model.tokenizer
+        self.template = resolve_kind(template, self.tokenizer)
+        context = getattr(model.config.get_text_config(), "max_position_embeddings", None) or 2048
+        self.max_length = min(max_length or 2048, context)
+        self.name = name
+        self.default_system = default_system
+        self.info = info or {}
+        self._lock = threading.Lock()
+
+    # prompts ---------------------------------------------------------------------------------------------
+    def prompt_ids(self, turns: Sequence[Turn], system: str = "") -> list[int]:
+        return encode(self.template, self.tokenizer, build_prompt(self.template, turns, system, self.tokenizer))
+
+    def fit(self, turns: Sequence[Turn], system: str, max_new_tokens: int) -> FittedPrompt:
+        """The prompt for `turns`, dropping the oldest turns so that the reply has room in the context.
+
+        Room kept for the reply: max_new_tokens, but at most half the context (a longer reply stops at
+        the context's end)."""
+        reserve = max(1, min(max_new_tokens, self.max_length // 2))
+        return fit_turns(turns, self.max_length - reserve, lambda t: self.prompt_ids(t, system))
+
+    # generation ------------------------------------------------------------------------------------------
+    def rounds(self, ids: list[int], eagle: bool = True, temperature: float = 0.0, top_p: float = 0.0,
+               top_k: int = 0, max_new_tokens: int = 512) -> Iterator[Round]:  # fmt: skip
+        """The model's rounds for one generation, holding the model for the whole run."""
+        if not self._lock.acquire(timeout=LOCK_TIMEOUT_S):
+            raise EngineBusy("the model is busy with another generation; try again")
+        try:
+            yield from self.model.stream(
+                ids, temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=max_new_tokens,
+                max_length=self.max_length, eagle=eagle,
+            )  # fmt: skip
+        finally:
+            self._lock.release()
+
+    def warmup(self) -> None:
+        """One short run of each decoder, so that the first timed reply does not pay one-off costs."""
+        ids = self.prompt_ids([("Hello", None)])
+        for eagle in (True, False):
+            for _ in self.rounds(ids, eagle=eagle, max_new_tokens=8):
+                pass

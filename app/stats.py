@@ -1,0 +1,107 @@
+"""Figures of a generation run (tokens/s, tokens per base forward, ...) and their HTML panel.
+
+Definitions (also shown on the page):
+- tokens/s = new tokens / decoding time, where decoding time is the sum of the rounds' wall times
+  (prefill included; the time the page spends rendering between rounds is not);
+- mean accepted tokens per base forward = new tokens / rounds (one round = one forward pass of the base
+  model; vanilla decoding gives exactly 1);
+- speedup = EAGLE tokens/s / vanilla tokens/s, each decoder timed on its own.
+"""
+
+from __future__ import annotations
+
+import html
+from dataclasses import dataclass
+
+from eagle.model.generate import Round
+
+STOP_WORDS = {
+    "eos": "end of reply", "max_new_tokens": "max new tokens reached", "max_length": "context full",
+    "stopped": "stopped by you", "error": "error",
+}  # fmt: skip
+
+
+@dataclass
+class RunStats:
+    eagle: bool = True
+    new_tokens: int = 0
+    rounds: int = 0
+    accepted: int = 0  # draft tokens accepted, over all rounds
+    seconds: float = 0.0
+    stop: str | None = None
+
+    def add(self, r: Round) -> None:
+        self.new_tokens += len(r.tokens)
+        self.rounds += 1
+        self.accepted += r.accepted
+        self.seconds += r.seconds
+        self.stop = r.stop or self.stop
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def mean_accepted(self) -> float:
+        return self.new_tokens / self.rounds if self.rounds else 0.0
+
+    def as_dict(self) -> dict:
+        return {
+            "mode": "eagle" if self.eagle else "vanilla",
+            "tokens_per_s": round(self.tokens_per_s, 2),
+            "mean_accepted_tokens_per_forward": round(self.mean_accepted, 3),
+            "rounds": self.rounds,
+            "new_tokens": self.new_tokens,
+            "draft_tokens_accepted": self.accepted,
+            "elapsed_s": round(self.seconds, 3),
+            "stop": self.stop,
+        }
+
+
+def with_vanilla(figures: dict, vanilla_tps: float | None, source: str | None) -> dict:
+    """Add the vanilla reference and the speedup (EAGLE runs only) to a figures dict."""
+    out = dict(figures)
+    out["vanilla_tokens_per_s"] = round(vanilla_tps, 2) if vanilla_tps else None
+    out["vanilla_source"] = source if vanilla_tps else None
+    eagle_tps = figures.get("tokens_per_s") or 0.0
+    ok = vanilla_tps and figures.get("mode") == "eagle" and eagle_tps > 0
+    out["speedup"] = round(eagle_tps / vanilla_tps, 2) if ok else None
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------
+def _num(v, fmt="{:.2f}", unit=""):
+    return "–" if v is None else fmt.format(v) + unit
+
+
+def figures_html(fig: dict | None, running: bool = False) -> str:
+    """The live figures panel."""
+    fig = fig or {}
+    mode = fig.get("mode")
+    title = {"eagle": "EAGLE", "vanilla": "Vanilla (EAGLE off)"}.get(mode, "No reply yet")
+    status = "generating…" if running else STOP_WORDS.get(fig.get("stop") or "", "")
+    rows = [
+        ("mean accepted tokens / base forward", _num(fig.get("mean_accepted_tokens_per_forward"), "{:.2f}")),
+        ("rounds (base forwards)", _num(fig.get("rounds"), "{:d}")),
+        ("new tokens", _num(fig.get("new_tokens"), "{:d}")),
+        ("elapsed (decoding)", _num(fig.get("elapsed_s"), "{:.2f}", " s")),
+        ("vanilla tokens/s", _num(fig.get("vanilla_tokens_per_s"))),
+    ]
+    body = "".join(f"<tr><td>{html.escape(k)}</td><td>{html.escape(v)}</td></tr>" for k, v in rows)
+    speedup = fig.get("speedup")
+    source = fig.get("vanilla_source") or (
+        "no vanilla figure yet: run the side-by-side tab, or tick “time vanilla too”" if mode == "eagle" else ""
+    )
+    notice = fig.get("notice")
+    parts = [
+        f'<div class="eagle-figures"><div class="fig-title">{html.escape(title)}'
+        f'<span class="fig-status">{html.escape(status)}</span></div>',
+        f'<div class="fig-big">{_num(fig.get("tokens_per_s"))}<small> tokens/s</small></div>',
+        f'<div class="fig-speedup{" slower" if speedup < 1 else ""}">speedup {_num(speedup, "{:.2f}", "×")}</div>'
+        if speedup else "",
+        f"<table>{body}</table>",
+        f'<div class="fig-note">vanilla: {html.escape(source)}</div>' if source else "",
+        f'<div class="fig-notice">{html.escape(notice)}</div>' if notice else "",
+        "</div>",
+    ]
+    return "".join(parts)

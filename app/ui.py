@@ -1,0 +1,155 @@
+"""The page: a chat with highlighted accepted draft tokens and live figures, a side-by-side EAGLE vs vanilla
+tab, and the scripted endpoint `/chat`.
+
+The event handlers live in `app.handlers`; this module lays out the page and wires the events. Every event
+that uses the model runs in one queue group ("model", one at a time).
+"""
+
+from __future__ import annotations
+
+import html
+from pathlib import Path
+
+import gradio as gr
+
+from .handlers import make_handlers, new_state, summary_html
+from .highlight import LEGEND_HTML
+from .session import MAX_NEW_TOKENS_LIMIT
+from .stats import figures_html
+
+ASSETS = Path(__file__).resolve().parent.parent / "assets"
+MODEL_GROUP = "model"
+
+MEASURE_NOTE = (
+    "**How the speedup is measured.** The same prompt (no chat history, the system prompt and settings on the "
+    "right) is decoded first with vanilla decoding (one token per forward pass of the base model) and then with "
+    "EAGLE, one after the other on the same model, never at the same time. Tokens/s = new tokens ÷ the summed "
+    "wall time of the decoding rounds (prompt prefill included, page rendering excluded). "
+    "Speedup = EAGLE tokens/s ÷ vanilla tokens/s. At temperature 0 both texts must be identical: EAGLE is lossless."
+)
+FIGURES_NOTE = (
+    "Tokens/s = new tokens ÷ decoding time. Mean accepted tokens / base forward = new tokens ÷ rounds "
+    "(1.0 for vanilla). The vanilla figure comes from the source named under the table; speedup = EAGLE ÷ vanilla."
+)
+
+
+def css() -> str:
+    path = ASSETS / "app.css"
+    return path.read_text() if path.is_file() else ""
+
+
+def launch_options() -> dict:
+    """Keyword arguments for `demo.launch` (Gradio 6 takes css there)."""
+    opts = {"css": css()}
+    if (ASSETS / "logo.svg").is_file():
+        opts["favicon_path"] = str(ASSETS / "logo.svg")
+    return opts
+
+
+def _logo() -> str:
+    path = ASSETS / "logo.svg"
+    return path.read_text() if path.is_file() else ""
+
+
+# layout --------------------------------------------------------------------------------------------------
+def model_info_md(engine) -> str:
+    i = engine.info
+    rows = [("model type", i.get("model_type")), ("base", i.get("base")), ("head", i.get("head")),
+            ("draft", i.get("draft")), ("tree", i.get("tree")), ("dtype / device", i.get("dtype_device")),
+            ("context", f"{engine.max_length:,} tokens"), ("template", engine.template)]  # fmt: skip
+    return "\n".join(f"- **{k}**: `{v}`" for k, v in rows if v)
+
+
+def build(engine, max_new_tokens: int = 512, title: str = "EAGLE speculative decoding") -> gr.Blocks:
+    h = make_handlers(engine)
+    default_new = max(1, min(int(max_new_tokens), MAX_NEW_TOKENS_LIMIT))
+    with gr.Blocks(title=title) as demo:
+        state = gr.State(new_state())
+        gr.HTML(
+            f'<div class="eagle-header"><div class="eagle-logo">{_logo()}</div><div><h1>{html.escape(title)}</h1>'
+            f"<p>The draft head proposes a tree of tokens; the base model checks them all in one forward pass and "
+            f"keeps the longest agreeing path. Model: <b>{html.escape(engine.name or '?')}</b></p></div></div>"
+        )
+        with gr.Row(equal_height=False):
+            with gr.Column(scale=3, min_width=420):
+                with gr.Tabs():
+                    with gr.Tab("Chat", id="chat"):
+                        chatbot = gr.Chatbot(
+                            height=480, label="Chat", elem_id="chat", latex_delimiters=[], feedback_options=None,
+                            buttons=["copy_all"], placeholder="Ask something: the reply streams in as the base "
+                            "model accepts the draft's tokens.",
+                        )  # fmt: skip
+                        gr.HTML(LEGEND_HTML)
+                        with gr.Row():
+                            msg = gr.Textbox(placeholder="Your message (Enter to send, Shift+Enter for a new line)",
+                                             show_label=False, lines=1, max_lines=8, scale=6, elem_id="msg",
+                                             autofocus=True)  # fmt: skip
+                            send = gr.Button("Send", variant="primary", scale=1, min_width=80, elem_id="send")
+                        with gr.Row():
+                            stop = gr.Button("Stop", variant="stop", elem_id="stop")
+                            regen = gr.Button("Regenerate", elem_id="regen")
+                            clear = gr.Button("Clear", elem_id="clear")
+                    with gr.Tab("EAGLE vs vanilla", id="compare"):
+                        gr.Markdown(MEASURE_NOTE, elem_classes=["eagle-note"])
+                        with gr.Row():
+                            cmp_msg = gr.Textbox(placeholder="A prompt to decode both ways (Enter to run)",
+                                                 show_label=False, scale=6, lines=1, max_lines=6, elem_id="cmp_msg")  # fmt: skip
+                            cmp_run = gr.Button("Run both", variant="primary", scale=1, min_width=80)
+                            cmp_stop = gr.Button("Stop", variant="stop", scale=1, min_width=80)
+                        summary = gr.HTML(summary_html({}, False))
+                        with gr.Row(equal_height=True):
+                            with gr.Column():
+                                gr.Markdown("#### Vanilla decoding (1 token per base forward)")
+                                v_out = gr.HTML('<div class="eagle-tokens pane"></div>', elem_classes=["pane"])
+                                v_fig = gr.HTML(figures_html(None))
+                            with gr.Column():
+                                gr.Markdown("#### EAGLE")
+                                e_out = gr.HTML('<div class="eagle-tokens pane"></div>', elem_classes=["pane"])
+                                e_fig = gr.HTML(figures_html(None))
+                        gr.HTML(LEGEND_HTML)
+            with gr.Column(scale=1, min_width=280):
+                gr.Markdown("### Live figures")
+                figures = gr.HTML(figures_html(None), elem_id="figures")
+                gr.Markdown(FIGURES_NOTE, elem_classes=["eagle-note"])
+                with gr.Accordion("Settings", open=True):
+                    eagle = gr.Checkbox(True, label="EAGLE on (off = vanilla decoding)", elem_id="eagle")
+                    highlight = gr.Checkbox(True, label="Highlight accepted draft tokens (off = plain text)",
+                                            elem_id="highlight")  # fmt: skip
+                    time_vanilla = gr.Checkbox(False, label="Time vanilla too (decodes each reply again without "
+                                               "EAGLE, for the speedup figure)")  # fmt: skip
+                    temperature = gr.Slider(0.0, 2.0, 0.0, step=0.05, label="temperature (0 = greedy)")
+                    top_p = gr.Slider(0.0, 1.0, 1.0, step=0.01, label="top-p (1 = off)")
+                    top_k = gr.Slider(0, 200, 0, step=1, label="top-k (0 = off)")
+                    max_new = gr.Slider(1, MAX_NEW_TOKENS_LIMIT, default_new, step=1, label="max new tokens",
+                                        elem_id="max_new")
+                    system = gr.Textbox(engine.default_system, label="System prompt", lines=3, max_lines=10,
+                                        placeholder="(empty: the chat template's default)")  # fmt: skip
+                with gr.Accordion("Model", open=False):
+                    gr.Markdown(model_info_md(engine))
+
+        settings = [temperature, top_p, top_k, max_new, eagle, highlight, time_vanilla, system]
+        # The page's own events are callable by clients ("undocumented") so that tests can drive a real
+        # session; the documented scripting endpoint is /chat below. Stop, Clear and Regenerate bump the
+        # session's epoch instead of cancelling Gradio events: the running generator ends at its next round.
+        add_io = dict(fn=h["add_message"], inputs=[msg, state, highlight], outputs=[msg, chatbot, state], queue=False)
+        bot_io = dict(fn=h["bot"], inputs=[state, *settings], outputs=[chatbot, figures, state],
+                      concurrency_id=MODEL_GROUP, concurrency_limit=1, show_progress="minimal")  # fmt: skip
+        cmp_io = dict(fn=h["run_compare"], inputs=[cmp_msg, state, *settings],
+                      outputs=[v_out, v_fig, e_out, e_fig, summary, state], concurrency_id=MODEL_GROUP,
+                      concurrency_limit=1, show_progress="minimal")  # fmt: skip
+        hidden = dict(api_visibility="private")
+        undocumented = dict(api_visibility="undocumented")
+        msg.submit(**add_io, api_name="add_message", **undocumented).then(**bot_io, api_name="respond", **undocumented)
+        send.click(**add_io, **hidden).then(**bot_io, **hidden)
+        regen.click(h["regenerate"], [state, highlight], [chatbot, state], queue=False, api_name="regenerate",
+                    **undocumented).then(**bot_io, **hidden)  # fmt: skip
+        cmp_run.click(h["start_compare"], [state], [state], queue=False, api_name="start_compare",
+                      **undocumented).then(**cmp_io, api_name="compare", **undocumented)  # fmt: skip
+        cmp_msg.submit(h["start_compare"], [state], [state], queue=False, **hidden).then(**cmp_io, **hidden)
+        stop.click(h["stop"], [state], [state], queue=False, api_name="stop", **undocumented)
+        cmp_stop.click(h["stop"], [state], [state], queue=False, **hidden)
+        clear.click(h["clear"], [state], [chatbot, figures, state], queue=False, api_name="clear", **undocumented)
+        highlight.change(h["rerender"], [state, highlight], [chatbot], queue=False, **hidden)
+        gr.api(h["api_chat"], api_name="chat", concurrency_id=MODEL_GROUP, concurrency_limit=1)
+    demo.queue(default_concurrency_limit=1, max_size=64)
+    return demo

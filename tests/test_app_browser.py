@@ -1,0 +1,162 @@
+"""Headless Chromium drives the page: send a message, watch the highlighted reply and the figures, toggle plain
+text, Stop, and save a screenshot (to $EAGLE_SCREENSHOT, e.g. assets/screenshot.png for the README's picture;
+else to the temp folder, so a test run never rewrites a tracked file).
+
+Needs Debian's `chromium` and `chromium-driver` (apt-get install -y chromium chromium-driver) and the Python
+package `selenium`; skipped with the reason when one is missing. The page runs on a tiny random model, or on
+the embedded default (SmolLM2-135M-Instruct + assets/smollm2-eagle3) when both are already on this machine,
+which gives a screenshot with real text.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import time
+
+import pytest
+from test_app_helpers import ROOT, one_thread, serve, tiny_engine
+
+CHROMIUM, DRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
+SCREENSHOT = os.environ.get("EAGLE_SCREENSHOT") or os.path.join(tempfile.gettempdir(), "eagle-app.png")
+FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+         "--disable-background-networking", "--disable-component-update", "--disable-sync",
+         "--window-size=1400,1000", "--force-device-scale-factor=1"]  # fmt: skip
+
+pytestmark = [
+    pytest.mark.skipif(not os.path.exists(CHROMIUM), reason=f"{CHROMIUM} absent: apt-get install -y chromium"),
+    pytest.mark.skipif(not os.path.exists(DRIVER), reason=f"{DRIVER} absent: apt-get install -y chromium-driver"),
+    pytest.mark.filterwarnings("ignore:.*no_silent_downcasting", "ignore:The copy keyword"),
+]
+webdriver = pytest.importorskip("selenium.webdriver", reason="selenium not installed: pip install selenium")
+from selenium.webdriver.common.by import By  # noqa: E402
+from selenium.webdriver.common.keys import Keys  # noqa: E402
+
+
+def default_engine():
+    """The embedded default model, only if it is already here (no download, no conversion)."""
+    from app.models import DEFAULT_HEAD_DIR
+
+    try:
+        from eagle.default_model import MARKER, converted_model_dir
+    except ImportError:
+        return None
+    base = converted_model_dir()
+    if not (base / MARKER).is_file() or not (DEFAULT_HEAD_DIR / "config.json").is_file():
+        return None
+    import torch
+
+    from app.engine import Engine
+    from eagle.model.ea_model import EaModel
+
+    # a small tree: on a CPU the draft's big-vocabulary steps dominate a round
+    model = EaModel.from_pretrained(str(base), str(DEFAULT_HEAD_DIR), total_token=12, depth=3, top_k=4,
+                                    dtype=torch.float32)  # fmt: skip
+    return Engine(model, "chat-template", 2048, name="smollm2: SmolLM2-135M-Instruct + EAGLE-3 head",
+                  info={"model_type": "smollm2", "draft": "EAGLE-3"})  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def page(tmp_path_factory):
+    with one_thread():
+        engine = default_engine()
+        real = engine is not None
+        engine = engine or tiny_engine(str(tmp_path_factory.mktemp("app_browser")), max_length=512)
+        with serve(engine, max_new_tokens=48) as demo:
+            options = webdriver.ChromeOptions()
+            options.binary_location = CHROMIUM
+            profile = tempfile.mkdtemp(prefix="chromium-profile-")
+            for flag in [*FLAGS, f"--user-data-dir={profile}"]:
+                options.add_argument(flag)
+            driver = webdriver.Chrome(service=webdriver.ChromeService(DRIVER), options=options)
+            try:
+                driver.get(demo.local_url)
+                yield driver, real
+            finally:
+                driver.quit()
+                shutil.rmtree(profile, ignore_errors=True)
+
+
+def wait_for(driver, script: str, timeout: float = 60.0):
+    """Poll a JavaScript expression until it is truthy; return its value."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        value = driver.execute_script(f"return ({script});")
+        if value:
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for: {script}")
+
+
+BOT = "document.querySelectorAll('#chat .message.bot .eagle-tokens, #chat .bot .eagle-tokens')"
+FIGURES = "document.querySelector('#figures').innerText"
+
+
+def send(driver, text: str):
+    box = driver.find_element(By.CSS_SELECTOR, "#msg textarea")
+    box.click()
+    box.send_keys(text)
+    box.send_keys(Keys.ENTER)
+
+
+def test_chat_in_a_real_browser(page):
+    driver, real = page
+    wait_for(driver, "document.querySelector('#msg textarea')")
+    assert "drafted by EAGLE" in driver.find_element(By.TAG_NAME, "body").text  # the legend
+
+    send(driver, "Write a haiku about eagles." if real else "w7 w8 w9")
+    wait_for(driver, f"{BOT}.length == 1", 120)
+    wait_for(driver, f"{FIGURES}.includes('tokens/s') && !{FIGURES}.includes('generating')", 180)
+    figures = driver.execute_script(f"return {FIGURES};")
+    assert "mean accepted tokens / base forward" in figures and "rounds" in figures
+
+    # the highlight survives the chat's sanitiser and gets its CSS from launch(css=...)
+    n_acc = driver.execute_script("return document.querySelectorAll('#chat .eagle-tokens .acc').length;")
+    if not real:
+        assert n_acc > 0
+    if n_acc:
+        bg = driver.execute_script(
+            "return getComputedStyle(document.querySelector('#chat .eagle-tokens .acc')).backgroundColor;"
+        )
+        assert bg not in ("", "rgba(0, 0, 0, 0)", "transparent")
+    assert driver.execute_script("return document.querySelectorAll('#chat .eagle-tokens script, #chat .eagle-tokens style').length;") == 0
+    time.sleep(0.5)
+    os.makedirs(os.path.dirname(os.path.abspath(SCREENSHOT)), exist_ok=True)
+    driver.save_screenshot(SCREENSHOT)
+
+    # plain-text toggle: no highlight spans, then back
+    toggle = driver.find_element(By.CSS_SELECTOR, "#highlight input")
+    toggle.click()
+    wait_for(driver, f"{BOT}.length == 0", 30)
+    toggle.click()
+    wait_for(driver, f"{BOT}.length == 1", 30)
+
+
+def set_number(driver, elem_id: str, value):
+    box = driver.find_element(By.CSS_SELECTOR, f"#{elem_id} input[type=number]")
+    box.clear()
+    box.send_keys(str(value))
+    box.send_keys(Keys.TAB)
+
+
+def test_stop_then_send_again_in_the_browser(page):
+    driver, real = page
+    driver.find_element(By.ID, "clear").click()
+    wait_for(driver, f"{BOT}.length == 0 && {FIGURES}.includes('No reply yet')", 30)
+    set_number(driver, "max_new", 4000)  # capped by the context: a long reply, to be stopped
+    driver.find_element(By.CSS_SELECTOR, "#eagle input").click()  # vanilla: one token per round
+    time.sleep(0.3)
+    send(driver, "Tell me a very long story." if real else "w36 w37 w38")
+    wait_for(driver, f"{FIGURES}.includes('generating')", 60)
+    driver.find_element(By.ID, "stop").click()
+    wait_for(driver, f"{FIGURES}.includes('stopped by you')", 30)
+    stopped = driver.execute_script("return document.querySelectorAll('#chat .message-row, #chat .message').length")
+    assert stopped >= 2  # the question and the partial reply stay
+    driver.find_element(By.CSS_SELECTOR, "#eagle input").click()
+    set_number(driver, "max_new", 16)
+    time.sleep(0.3)
+    send(driver, "Thanks!" if real else "w32")
+    wait_for(driver, f"{BOT}.length == 1 && {FIGURES}.includes('EAGLE') && !{FIGURES}.includes('generating')", 120)
+    assert "Error" not in driver.find_element(By.TAG_NAME, "body").text
+    driver.save_screenshot(os.path.join(tempfile.gettempdir(), "eagle-app-after-stop.png"))  # for a look by eye

@@ -1,0 +1,244 @@
+"""Unit tests of the app's pure parts: templates, highlighting, history truncation, settings, session logic."""
+
+from __future__ import annotations
+
+import pytest
+from test_app_helpers import greedy_reply, one_thread, tiny_engine
+
+from app.highlight import Detokenizer, Reply, blocks, highlighted_html, plain_text, render
+from app.session import Settings, compare, respond
+from app.stats import RunStats, figures_html, with_vanilla
+from app.templates import (
+    LLAMA2_SYSTEM_PROMPT, PromptTooLong, build_prompt, default_system_prompt, encode, fit_turns, messages,
+    resolve_kind,
+)  # fmt: skip
+from eagle.model.generate import Round
+
+
+# templates -------------------------------------------------------------------------------------------------
+def test_vicuna_template_matches_fastchat_v11():
+    p = build_prompt("vicuna", [("Hi", "Hello!"), ("How are you?", None)])
+    assert p.startswith("A chat between a curious user and an artificial intelligence assistant.")
+    assert p.endswith(" USER: Hi ASSISTANT: Hello!</s>USER: How are you? ASSISTANT:")
+    custom = build_prompt("vicuna", [("Hi", None)], system="Be brief.")
+    assert custom == "Be brief. USER: Hi ASSISTANT:"
+    assert default_system_prompt("vicuna").startswith("A chat between")
+
+
+def test_llama2_template_as_reference_web_ui():
+    p = build_prompt("llama-2", [("Hi", "Hello!"), ("More?", None)], system=LLAMA2_SYSTEM_PROMPT)
+    assert p == (f"[INST] <<SYS>>\n{LLAMA2_SYSTEM_PROMPT}\n<</SYS>>\n\nHi [/INST]  Hello! </s><s>[INST] More? "
+                 "[/INST] ")  # fmt: skip
+    assert default_system_prompt("llama-2") == LLAMA2_SYSTEM_PROMPT
+    assert "You are a helpful, respectful and honest assistant." in LLAMA2_SYSTEM_PROMPT
+
+
+def test_mixtral_template_has_no_system_and_eos_sep():
+    p = build_prompt("mixtral", [("Hi", "Yo"), ("Again", None)], system="ignored")
+    assert "<<SYS>>" not in p and "ignored" not in p
+    assert p == "[INST] Hi [/INST]  Yo</s>[INST] Again [/INST] "
+
+
+class _TemplateTok:
+    chat_template = "x"
+
+    def __init__(self):
+        self.calls = []
+
+    def apply_chat_template(self, msgs, tokenize=False, add_generation_prompt=False):
+        self.calls.append(msgs)
+        if msgs[0]["role"] == "system" and getattr(self, "no_system", False):
+            raise ValueError("system role not supported")
+        return "|".join(f"{m['role']}:{m['content']}" for m in msgs) + ("|assistant:" if add_generation_prompt else "")
+
+
+def test_tokenizer_chat_template_gets_system_and_history():
+    tok = _TemplateTok()
+    p = build_prompt("chat-template", [("a", "b"), ("c", None)], system="S", tokenizer=tok)
+    assert p == "system:S|user:a|assistant:b|user:c|assistant:"
+    tok.no_system = True  # templates that refuse a system role get it in front of the first user message
+    p = build_prompt("chat-template", [("a", None)], system="S", tokenizer=tok)
+    assert p == "user:S\n\na|assistant:"
+
+
+def test_template_fallback_and_errors():
+    class NoTemplate:
+        chat_template = None
+
+    assert resolve_kind("chat-template", NoTemplate()) == "plain"
+    assert build_prompt("chat-template", [("hi", "yo"), ("more", None)], "S", NoTemplate()) == (
+        "System: S\n\nUser: hi\nAssistant: yo\nUser: more\nAssistant:"
+    )
+    with pytest.raises(ValueError):
+        build_prompt("vicuna", [("hi", "done")])  # nothing to answer
+    with pytest.raises(ValueError):
+        resolve_kind("nope", None)
+    assert messages([("u", None)], "") == [{"role": "user", "content": "u"}]
+
+
+def test_encode_adds_bos_only_without_chat_template():
+    class Tok:
+        chat_template = "x"
+
+        def __call__(self, text, add_special_tokens=True):
+            return {"input_ids": [0] * add_special_tokens + [len(text)]}
+
+    assert encode("chat-template", Tok(), "abc") == [3]  # the template wrote its own BOS text
+    assert encode("vicuna", Tok(), "abc") == [0, 3]
+    assert encode("plain", Tok(), "abc") == [0, 3]
+
+
+# history truncation ----------------------------------------------------------------------------------------
+def _words(turns):
+    return [w for u, r in turns for w in (u + " " + (r or "")).split()]
+
+
+def test_fit_turns_drops_oldest_first():
+    turns = [(f"u{i} " * 10, f"r{i} " * 10) for i in range(6)] + [("last", None)]
+    fit = fit_turns(turns, 100, _words)
+    assert fit.dropped == 2 and len(fit.ids) <= 100  # 4 * 20 + 1 words fit, 5 * 20 + 1 do not
+    assert fit.ids[0] == "u2"
+    assert fit_turns(turns, 1000, _words).dropped == 0
+
+
+def test_fit_turns_message_alone_too_long():
+    with pytest.raises(PromptTooLong) as e:
+        fit_turns([("a b", "c"), ("x " * 50, None)], 10, _words)
+    assert e.value.tokens == 50 and "shorten" in str(e.value)
+
+
+# highlighting ----------------------------------------------------------------------------------------------
+def test_highlight_escapes_and_wraps_accepted():
+    text = "a <b>&</b> c"
+    out = highlighted_html(text, [[2, 5]])
+    assert '<span class="acc">&lt;b&gt;</span>' in out
+    assert "<b>" not in out and "&amp;" in out
+    assert plain_text(out) == text
+
+
+def test_highlight_keeps_lines_and_code_blocks():
+    text = "Intro:\n\n```python\ndef f():\n    return 1\n```\nend"
+    out = highlighted_html(text, [[0, 3], [20, 30]])
+    assert "\n" not in out  # one line: the markdown renderer passes it through as one HTML block
+    assert '<pre class="eagle-code"><code>' in out and out.count("<pre") == 1
+    assert '<div class="eagle-fence">' in out
+    assert plain_text(out) == text
+    assert [b[0] for b in blocks(text)] == ["text", "fence", "code", "fence", "text"]
+
+
+def test_plain_toggle_returns_markdown_text():
+    assert render("**x**\n- y", [[0, 2]], highlight=False) == "**x**\n- y"
+    assert render("", [], True) == '<div class="eagle-tokens"></div>'
+
+
+class _ByteTok:
+    """Decodes ids as UTF-8 bytes: multi-byte characters come in pieces, as with byte-level BPE."""
+
+    def decode(self, ids, skip_special_tokens=True, clean_up_tokenization_spaces=False):
+        return bytes(ids).decode("utf-8", errors="replace")
+
+
+def test_detokenizer_waits_for_complete_characters():
+    text = "né 😀!"
+    ids = list(text.encode())
+    d = Detokenizer(_ByteTok())
+    pieces = [d.push(i) for i in ids]
+    assert "".join(pieces) == text
+    assert all("\ufffd" not in p for p in pieces)
+    assert pieces[ids.index(0xF0)] == ""  # the emoji's first byte alone shows nothing
+
+
+def test_reply_marks_accepted_tokens():
+    r = Reply(_ByteTok())
+    r.add_round(list(b"ab"), 1)  # "a" drafted, "b" the base's own
+    r.add_round(list(b"cd"), 1)
+    r.add_round(list("é".encode()) + [ord("e")], 2)  # the two bytes of é drafted
+    assert r.text == "abcdée"
+    assert r.marks == [[0, 1], [2, 3], [4, 5]]
+
+
+# settings and figures --------------------------------------------------------------------------------------
+def test_settings_parse_clamps_untrusted_values():
+    s = Settings.parse(temperature="abc", top_p=7, top_k=-3, max_new_tokens=1e9, eagle=None, system_prompt=None)
+    assert s == Settings(top_p=1.0, top_k=0, max_new_tokens=4096)
+    assert Settings.parse(temperature=float("nan")).temperature == 0.0
+    assert Settings.parse(system_prompt="a\x00b\ud800").system_prompt == "ab?"
+
+
+def test_run_stats_and_speedup():
+    st = RunStats()
+    st.add(Round([1, 2, 3], 2, 0.5))
+    st.add(Round([4], 0, 0.5, "eos"))
+    d = with_vanilla(st.as_dict(), 2.0, "test")
+    assert d["tokens_per_s"] == 4.0 and d["mean_accepted_tokens_per_forward"] == 2.0 and d["speedup"] == 2.0
+    assert d["draft_tokens_accepted"] == 2 and d["stop"] == "eos"
+    page = figures_html(d)
+    assert "4.00" in page and "2.00×" in page and "vanilla: test" in page
+    assert "No reply yet" in figures_html(None)
+
+
+# the session generator on a real tiny model ----------------------------------------------------------------
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    with one_thread():
+        yield tiny_engine(str(tmp_path_factory.mktemp("app_units")), max_length=96)
+
+
+def test_respond_streams_the_greedy_reply(engine):
+    s = Settings(max_new_tokens=20)
+    ups = list(respond(engine, "w7 w8 w9", [], s))
+    assert len(ups) >= 2 and ups[-1].done and not ups[-1].error
+    final = ups[-1]
+    assert final.text == greedy_reply(engine, [("w7 w8 w9", None)], 20)
+    assert plain_text(final.html) == final.text
+    f = final.figures
+    assert f["mode"] == "eagle" and f["new_tokens"] >= 1 and f["rounds"] >= 1 and f["tokens_per_s"] > 0
+    assert f["mean_accepted_tokens_per_forward"] == pytest.approx(f["new_tokens"] / f["rounds"], abs=1e-3)
+    assert [len(u.text) for u in ups] == sorted(len(u.text) for u in ups)  # grows as it streams
+
+
+def test_respond_vanilla_and_time_vanilla(engine):
+    v = list(respond(engine, "w7 w8 w9", [], Settings(max_new_tokens=20, eagle=False)))[-1]
+    e = list(respond(engine, "w7 w8 w9", [], Settings(max_new_tokens=20, time_vanilla=True)))[-1]
+    assert v.text == e.text  # greedy EAGLE is lossless
+    assert v.figures["mean_accepted_tokens_per_forward"] == 1.0 and "acc" not in v.html
+    assert v.vanilla and v.vanilla[0] > 0
+    assert e.figures["vanilla_tokens_per_s"] > 0 and e.figures["speedup"] > 0 and e.vanilla
+
+
+def test_respond_bad_input_and_truncation(engine):
+    assert list(respond(engine, "   ", [], Settings()))[-1].error
+    too_long = list(respond(engine, "w9 " * 500, [], Settings(max_new_tokens=8)))[-1]
+    assert too_long.error and "shorten" in too_long.error
+    history = [(f"w{i} " * 8, f"w{i+1} " * 8) for i in range(2, 12)]
+    last = list(respond(engine, "w7", history, Settings(max_new_tokens=8)))[-1]
+    assert last.figures["dropped_turns"] > 0 and "left out" in last.figures["notice"]
+    assert last.figures["prompt_tokens"] <= engine.max_length - 8
+    emoji = list(respond(engine, "héllo 😀 \ud800", [], Settings(max_new_tokens=4)))[-1]
+    assert emoji.done and not emoji.error
+
+
+def test_respond_stops_when_asked(engine):
+    calls = []
+
+    def stop():
+        calls.append(1)
+        return len(calls) >= 3
+
+    ups = list(respond(engine, "w7 w8 w9", [], Settings(max_new_tokens=200, eagle=False), stop=stop))
+    final = ups[-1]
+    assert final.done and final.figures["stop"] == "stopped" and final.figures["rounds"] == 2  # 1st call: before
+    assert greedy_reply(engine, [("w7 w8 w9", None)], 200).startswith(final.text)
+    queued = list(respond(engine, "w7", [], Settings(), stop=lambda: True))[-1]  # stopped while waiting
+    assert queued.text == "" and queued.figures["stop"] == "stopped" and queued.figures["rounds"] == 0
+    assert engine._lock.acquire(blocking=False)  # the model was released
+    engine._lock.release()
+
+
+def test_compare_runs_vanilla_then_eagle(engine):
+    steps = list(compare(engine, "w10 w11", Settings(max_new_tokens=16)))
+    first_eagle = next(i for i, c in enumerate(steps) if c.eagle.text)
+    assert all(not c.vanilla.running for c in steps[first_eagle:])  # never both at once
+    last = steps[-1]
+    assert last.done and last.summary["same_text"] is True and last.summary["speedup"] > 0
+    assert last.vanilla.text == last.eagle.text
