@@ -16,7 +16,7 @@ import tempfile
 import time
 
 import pytest
-from test_app_helpers import ROOT, one_thread, serve, tiny_engine
+from test_app_helpers import one_thread, serve, tiny_engine
 
 CHROMIUM, DRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
 SCREENSHOT = os.environ.get("EAGLE_SCREENSHOT") or os.path.join(tempfile.gettempdir(), "eagle-app.png")
