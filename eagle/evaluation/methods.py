@@ -1,0 +1,163 @@
+"""One runner per decoding method: prompt ids -> (new token ids, wall seconds, base forward passes).
+
+- hf            transformers `generate` on the plain base model (greedy, or sampling at --temperature)
+- hf_pld        the same with prompt-lookup decoding (`prompt_lookup_num_tokens`)
+- hf_assisted   the same with a small assistant model (`assistant_model`)
+- vanilla       our `naivegenerate`: one token per base forward, on the engine's own code and cache
+- eagle         the loaded head with the EAGLE-2 dynamic tree (total_token, depth, top_k)
+- eagle_static  the same head with EAGLE-1's static tree (MC_SIM_7B_63)
+
+All methods get the same max_new_tokens and stop at the model's stop ids (EOS and end-of-turn tokens, which the
+hf methods receive as `eos_token_id`). The wall time covers the whole call (prefill included); on CUDA the device
+is synchronised before and after.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+METHODS = ("hf", "hf_pld", "hf_assisted", "vanilla", "eagle", "eagle_static")
+DEFAULT_METHODS = ("hf", "hf_pld", "vanilla", "eagle", "eagle_static")
+HF_METHODS = ("hf", "hf_pld", "hf_assisted")
+
+
+@dataclass
+class Output:
+    tokens: list[int]  # the new token ids (stop token included)
+    seconds: float
+    forwards: int | None  # base forward passes, prefill included; None where the method does not report them
+
+
+@dataclass(frozen=True)
+class Settings:
+    max_new_tokens: int = 512
+    temperature: float = 0.0
+    pld_tokens: int = 10  # prompt_lookup_num_tokens for hf_pld
+
+
+Runner = Callable[[list[int]], Output]
+
+
+def _timed(device: torch.device, fn):
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    result = fn()
+    if cuda:
+        torch.cuda.synchronize(device)
+    return result, time.perf_counter() - t0
+
+
+def _generation_config(model, settings: Settings, **extra):
+    """An explicit config, so that defaults in the checkpoint's generation_config.json (sampling, top-k, top-p,
+    repetition penalty) cannot make the baseline decode differently from the engine."""
+    from transformers import GenerationConfig
+
+    stops = sorted(model.stop_token_ids)
+    pad = model.tokenizer.pad_token_id if model.tokenizer is not None else None
+    common = dict(
+        max_new_tokens=settings.max_new_tokens, eos_token_id=stops or None,
+        pad_token_id=pad if pad is not None else (stops[0] if stops else 0),
+        repetition_penalty=1.0, no_repeat_ngram_size=0, min_new_tokens=0, **extra,
+    )  # fmt: skip
+    if settings.temperature > 1e-5:
+        return GenerationConfig(do_sample=True, temperature=settings.temperature, top_k=0, top_p=1.0, **common)
+    return GenerationConfig(do_sample=False, **common)
+
+
+def hf_runner(model, settings: Settings, assistant: dict | None = None, **extra) -> Runner:
+    """`assistant`: generate() arguments from `load_assistant`; `extra`: generation-config fields."""
+    base = model.base_model
+    device = base.get_input_embeddings().weight.device
+    config = _generation_config(model, settings, **extra)
+    kwargs = dict(assistant or {})
+
+    def run(ids: list[int]) -> Output:
+        x = torch.tensor([ids], device=device)
+        with torch.inference_mode():
+            out, seconds = _timed(device, lambda: base.generate(
+                x, attention_mask=torch.ones_like(x), generation_config=config, **kwargs
+            ))  # fmt: skip
+        return Output(out[0, len(ids) :].tolist(), seconds, None)
+
+    return run
+
+
+def engine_runner(model, settings: Settings, eagle: bool, tree=None) -> Runner:
+    device = model.base_model.get_input_embeddings().weight.device
+    generate = model.eagenerate if eagle else model.naivegenerate
+    extra = {"tree": tree} if eagle and tree is not None else {}
+
+    def run(ids: list[int]) -> Output:
+        x = torch.tensor([ids])
+        (out, new_tokens, rounds), seconds = _timed(device, lambda: generate(
+            x, temperature=settings.temperature, max_new_tokens=settings.max_new_tokens,
+            max_length=len(ids) + settings.max_new_tokens, log=True, **extra,
+        ))  # fmt: skip
+        return Output(out[0, len(ids) :].tolist(), seconds, rounds + 1)
+
+    return run
+
+
+def make_runners(names: list[str], model, settings: Settings, assistant: dict | None = None) -> dict[str, Runner]:
+    """Runners for `names` (in that order). `model` is an EaModel, its tree spec the EAGLE-2 one; `assistant`
+    comes from `load_assistant`."""
+    from eagle.model.generate import TreeSpec
+    from eagle.model.tree import MC_SIM_7B_63
+
+    runners: dict[str, Runner] = {}
+    for name in names:
+        if name == "hf":
+            runners[name] = hf_runner(model, settings)
+        elif name == "hf_pld":
+            runners[name] = hf_runner(model, settings, prompt_lookup_num_tokens=settings.pld_tokens)
+        elif name == "hf_assisted":
+            if assistant is None:
+                raise ValueError("method hf_assisted needs --assistant-model PATH")
+            runners[name] = hf_runner(model, settings, assistant=assistant)
+        elif name == "vanilla":
+            runners[name] = engine_runner(model, settings, eagle=False)
+        elif name == "eagle":
+            t = model.tree
+            runners[name] = engine_runner(model, settings, True, TreeSpec(t.total_token, t.depth, t.top_k))
+        elif name == "eagle_static":
+            runners[name] = engine_runner(model, settings, True, TreeSpec(choices=tuple(map(tuple, MC_SIM_7B_63))))
+        else:
+            raise ValueError(f"unknown method {name!r}; choose from {', '.join(METHODS)}")
+    return runners
+
+
+def parse_methods(text: str, have_assistant: bool) -> list[str]:
+    names = [m.strip() for m in text.split(",") if m.strip()] if text else list(DEFAULT_METHODS)
+    if not text and have_assistant:
+        names.insert(2, "hf_assisted")
+    unknown = [m for m in names if m not in METHODS]
+    if unknown:
+        raise ValueError(f"unknown method(s) {', '.join(unknown)}; choose from {', '.join(METHODS)}")
+    if "hf_assisted" in names and not have_assistant:
+        raise ValueError("method hf_assisted needs --assistant-model PATH")
+    if len(set(names)) != len(names):
+        raise ValueError(f"a method is listed twice in {text!r}")
+    return names
+
+
+def load_assistant(path: str, model, dtype: torch.dtype) -> dict:
+    """generate() arguments for hf_assisted: the assistant on the base's device and, when its tokenizer differs
+    from the base's, both tokenizers (transformers' universal assisted decoding)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    device = model.base_model.get_input_embeddings().weight.device
+    assistant = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+    extra = {"assistant_model": assistant}
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError):
+        return extra  # no tokenizer next to the weights: assume the base's
+    if model.tokenizer is not None and tokenizer.get_vocab() != model.tokenizer.get_vocab():
+        extra.update(tokenizer=model.tokenizer, assistant_tokenizer=tokenizer)
+    return extra

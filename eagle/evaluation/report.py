@@ -1,0 +1,215 @@
+"""Aggregate per-question records into the benchmark result, and write it as JSON, a markdown table and a plot.
+
+A record is one (question, method) run: {"question_id", "category", "method", "new_tokens", "seconds",
+"forwards" (base forward passes, prefill included, or None), "identical_to_hf" (bool, or None where not checked)}.
+
+Definitions (per method, over all its records, or those of one category):
+- tokens_per_s          = sum(new_tokens) / sum(seconds)
+- speedup_vs_hf         = tokens_per_s / tokens_per_s of `hf` on the same questions
+- mean_accepted_tokens  = sum(new_tokens) / sum(forwards): tokens per base forward, the base's own token included
+                          (the reference's tau, vLLM's mean acceptance length); null where forwards are unknown
+- identical_to_hf       = "k/n": questions whose generated ids equal hf's (checked at temperature 0 only)
+- speedup_vs_hf_reference_style = mean over questions of tokens/s, divided by hf's (the reference's speed.py)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import defaultdict
+
+BASELINE = "hf"
+
+
+def _ratio(k: int, n: int) -> str | None:
+    return f"{k}/{n}" if n else None
+
+
+def summarize(records: list[dict]) -> dict:
+    """Totals and rates of one method's records."""
+    new = sum(r["new_tokens"] for r in records)
+    seconds = sum(r["seconds"] for r in records)
+    forwards = None if any(r["forwards"] is None for r in records) else sum(r["forwards"] for r in records)
+    checked = [r["identical_to_hf"] for r in records if r.get("identical_to_hf") is not None]
+    per_question = [r["new_tokens"] / r["seconds"] for r in records if r["seconds"] > 0]
+    return {
+        "questions": len(records),
+        "new_tokens": new,
+        "seconds": round(seconds, 6),
+        "tokens_per_s": new / seconds if seconds > 0 else None,
+        "mean_tokens_per_s_per_question": sum(per_question) / len(per_question) if per_question else None,
+        "forwards": forwards,
+        "mean_accepted_tokens": new / forwards if forwards else None,
+        "identical_to_hf": _ratio(sum(checked), len(checked)),
+    }
+
+
+def _add_speedups(stats: dict[str, dict]) -> None:
+    for ref_name, key in ((BASELINE, "speedup_vs_hf"), ("vanilla", "speedup_vs_vanilla")):
+        ref = stats.get(ref_name)
+        for s in stats.values():
+            ok = ref and ref["tokens_per_s"] and s["tokens_per_s"] is not None
+            s[key] = s["tokens_per_s"] / ref["tokens_per_s"] if ok else None
+            if key == "speedup_vs_hf":
+                ok = ref and ref["mean_tokens_per_s_per_question"] and s["mean_tokens_per_s_per_question"]
+                ratio = s["mean_tokens_per_s_per_question"] / ref["mean_tokens_per_s_per_question"] if ok else None
+                s["speedup_vs_hf_reference_style"] = ratio
+
+
+def aggregate(records: list[dict], methods: list[str]) -> dict:
+    """{"methods": {name: stats, with "categories": {cat: stats}}, "identical_to_hf": "k/n" or None,
+    "categories": [names in first-seen order]}."""
+    by_method: dict[str, list[dict]] = defaultdict(list)
+    categories: list[str] = []
+    for r in records:
+        by_method[r["method"]].append(r)
+        if r["category"] not in categories:
+            categories.append(r["category"])
+    stats = {m: summarize(by_method[m]) for m in methods if by_method[m]}
+    _add_speedups(stats)
+    for cat in categories:
+        per_cat = {m: summarize([r for r in by_method[m] if r["category"] == cat]) for m in stats}
+        per_cat = {m: s for m, s in per_cat.items() if s["questions"]}
+        _add_speedups(per_cat)
+        for m, s in per_cat.items():
+            stats[m].setdefault("categories", {})[cat] = s
+    # overall: a question counts as identical when every checked method reproduced hf's ids
+    verdicts: dict[object, list[bool]] = defaultdict(list)
+    for r in records:
+        if r.get("identical_to_hf") is not None:
+            verdicts[r["question_id"]].append(bool(r["identical_to_hf"]))
+    overall = _ratio(sum(all(v) for v in verdicts.values()), len(verdicts))
+    return {"identical_to_hf": overall, "methods": stats, "categories": categories}
+
+
+# ---------------------------------------------------------------------------------------------------------
+def _fmt(x, digits=2, suffix="") -> str:
+    return "–" if x is None else f"{x:.{digits}f}{suffix}"
+
+
+def markdown(result: dict) -> str:
+    """A self-contained markdown report: settings, the overall table, the per-category table."""
+    s = result["settings"]
+    lines = [f"**{result['label']}**", ""] if result.get("label") else []
+    lines += [
+        f"**Machine:** {result['device']}  ",
+        f"**Date:** {result['date']}  ",
+        f"**Model:** base `{result['model']['base']}`, head `{result['model']['head']}` "
+        f"({'EAGLE-3' if result['model'].get('eagle3') else 'EAGLE-1/2'} head, {result['model']['dtype']})  ",
+        f"**Questions:** {result['questions']} from {s['questions_from']} (first turns), "
+        f"max_new_tokens={s['max_new_tokens']}, temperature={s['temperature']}, "
+        f"EAGLE-2 tree total_token={s['total_token']} depth={s['depth']} top_k={s['top_k']}  ",
+        f"**Identical to hf (T=0):** {result['identical_to_hf'] or 'not checked'}  ",
+        f"**Command:** `{result['command']}`",
+        "",
+        "| method | tokens/s | speedup vs hf | mean accepted tokens / base forward | identical to hf | new tokens "
+        "| seconds |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for name, m in result["methods"].items():
+        lines.append(
+            f"| {name} | {_fmt(m['tokens_per_s'], 1)} | {_fmt(m['speedup_vs_hf'], 2, 'x')} | "
+            f"{_fmt(m['mean_accepted_tokens'])} | {m['identical_to_hf'] or '–'} | {m['new_tokens']} | "
+            f"{_fmt(m['seconds'], 2)} |"
+        )
+    cats = result.get("categories") or []
+    if cats:
+        names = list(result["methods"])
+        lines += ["", "Per category: speedup vs hf (mean accepted tokens per base forward)", ""]
+        lines.append("| category | " + " | ".join(names) + " |")
+        lines.append("|---|" + "---:|" * len(names))
+        for cat in cats:
+            cells = []
+            for name in names:
+                c = result["methods"][name].get("categories", {}).get(cat)
+                if c is None:
+                    cells.append("–")
+                    continue
+                tau = f" ({_fmt(c['mean_accepted_tokens'])})" if c["mean_accepted_tokens"] is not None else ""
+                cells.append(_fmt(c["speedup_vs_hf"], 2, "x") + tau)
+            lines.append(f"| {cat} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(result: dict, path: str) -> None:
+    """PNG: speedup vs hf and mean accepted length, per method (top) and per category (bottom)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    methods = result["methods"]
+    names = list(methods)
+    cats = result.get("categories") or []
+    fig, axes = plt.subplots(2, 2, figsize=(13, 8.5), squeeze=False, layout="constrained")
+    panels = [("speedup_vs_hf", "speedup vs hf (x)"), ("mean_accepted_tokens", "mean accepted tokens / base forward")]
+    for col, (key, label) in enumerate(panels):
+        ax = axes[0][col]
+        values = [methods[n][key] or 0.0 for n in names]
+        bars = ax.bar(names, values, color=[f"C{i}" for i in range(len(names))])
+        for bar, n in zip(bars, names):
+            value = methods[n][key]
+            ax.annotate("n/a" if value is None else f"{value:.2f}", (bar.get_x() + bar.get_width() / 2,
+                        bar.get_height()), ha="center", va="bottom", fontsize=8)  # fmt: skip
+        ax.axhline(1.0, color="grey", lw=0.8, ls="--")
+        ax.set_title(f"{label}, all questions")
+        ax.tick_params(axis="x", rotation=20)
+        ax = axes[1][col]
+        width = 0.8 / max(len(names), 1)
+        for i, n in enumerate(names):
+            per = methods[n].get("categories", {})
+            ys = [(per.get(c) or {}).get(key) or 0.0 for c in cats]
+            ax.bar([j + i * width for j in range(len(cats))], ys, width, label=n, color=f"C{i}")
+        ax.set_xticks([j + width * (len(names) - 1) / 2 for j in range(len(cats))], cats, rotation=20)
+        ax.axhline(1.0, color="grey", lw=0.8, ls="--")
+        ax.set_title(f"{label}, per category")
+        ax.legend(fontsize=7)
+    model = result["model"]
+    title = (f"{os.path.basename(model['base'].rstrip('/'))} + head {os.path.basename(model['head'].rstrip('/'))}: "
+             f"{result['questions']} questions, max_new_tokens={result['settings']['max_new_tokens']}, "
+             f"T={result['settings']['temperature']}\n{result['device']}")  # fmt: skip
+    if result.get("label"):
+        title = f"{result['label']}\n{title}"
+    fig.suptitle(title, fontsize=10)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_outputs(result: dict, out_dir: str, json_path: str | None = None) -> dict[str, str]:
+    """bench.json (or json_path), bench.md and bench.png under out_dir; returns the paths."""
+    os.makedirs(out_dir, exist_ok=True)
+    paths = {
+        "json": json_path or os.path.join(out_dir, "bench.json"),
+        "markdown": os.path.join(out_dir, "bench.md"),
+        "plot": os.path.join(out_dir, "bench.png"),
+    }
+    if os.path.dirname(paths["json"]):
+        os.makedirs(os.path.dirname(paths["json"]), exist_ok=True)
+    with open(paths["json"], "w") as f:
+        json.dump(result, f, indent=2)
+    with open(paths["markdown"], "w") as f:
+        f.write(markdown(result))
+    plot(result, paths["plot"])
+    return paths
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Re-render bench.md and bench.png from a bench JSON: python -m eagle.evaluation.report out/bench/bench.json"""
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m eagle.evaluation.report", description=main.__doc__)
+    p.add_argument("json_path")
+    p.add_argument("--out", default=None, help="folder for bench.md and bench.png (default: the JSON's folder)")
+    args = p.parse_args(argv)
+    with open(args.json_path) as f:
+        result = json.load(f)
+    out = args.out or os.path.dirname(os.path.abspath(args.json_path))
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "bench.md"), "w") as f:
+        f.write(markdown(result))
+    plot(result, os.path.join(out, "bench.png"))
+    print(markdown(result))
+
+
+if __name__ == "__main__":
+    main()

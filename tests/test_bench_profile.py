@@ -1,0 +1,48 @@
+"""The round profiler on a tiny model: every phase is timed, the rows add up, the engine is left unpatched."""
+
+import json
+
+import pytest
+import torch
+from tiny import random_draft, save_base, tiny_base
+
+from eagle.evaluation import profile
+from eagle.model import generate
+from eagle.model.base import BaseModel
+from eagle.model.draft import Drafter
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny matrices: threads only add contention
+    folder = tmp_path_factory.mktemp("profile")
+    base = tiny_base("llama", seed=8)
+    save_base(base, str(folder / "base"))
+    random_draft(base, str(folder / "head"), eagle3=True)
+    q = {"question_id": 1, "category": "writing", "turns": ["w7 w8 w9 w10 w7 w8"]}
+    (folder / "q.jsonl").write_text(json.dumps(q) + "\n")
+    yield folder
+    torch.set_num_threads(n)
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
+def test_profile_times_every_phase_and_restores_the_engine(folder, capsys, static):
+    originals = (BaseModel.forward, Drafter.commit, generate.accept, generate.tree_mask)
+    argv = ["--base-model-path", str(folder / "base"), "--ea-model-path", str(folder / "head"), "--question-file",
+            str(folder / "q.jsonl"), "--rounds", "12", "--max-new-tokens", "8", "--total-token", "12", "--depth", "3",
+            "--top-k", "4", "--json", str(folder / "p.json")] + (["--static"] if static else [])  # fmt: skip
+    result = profile.main(argv)
+    assert (BaseModel.forward, Drafter.commit, generate.accept, generate.tree_mask) == originals
+    assert result["rounds"] == 12 and result["prompts"] >= 2  # 8 tokens per prompt: the prompt is reused
+    phases = result["phases"]
+    for key, _ in profile.PHASES:
+        if key != "draft_forward" or not static:
+            assert phases[key]["ms_per_round"] > 0, key
+    assert phases["verify"]["calls_per_round"] == 1.0 and phases["compact"]["calls_per_round"] == 1.0
+    assert sum(p["ms_per_round"] for p in phases.values()) == pytest.approx(result["round_ms"])
+    assert phases["python"]["ms_per_round"] >= 0
+    assert result["vanilla_step_ms"] > 0 and result["tokens_per_round"] >= 1.0
+    out = capsys.readouterr().out
+    assert "| base verify forward: decoder over the tree |" in out and "KV compaction" in out
+    assert json.loads((folder / "p.json").read_text())["rounds"] == 12
