@@ -6,7 +6,7 @@ import argparse
 import os
 import sys
 
-from .models import ALIASES, DTYPES, MODEL_TYPES, ModelLoadError
+from eagle.chat.model_types import ALIASES, DTYPES, MODEL_TYPES, ModelLoadError
 
 EXAMPLES = """examples:
   python launch.py                                   # SmolLM2-135M-Instruct + its EAGLE-3 head, on CPU
@@ -88,9 +88,10 @@ def main(argv: list[str] | None = None) -> None:
 
 def load_engine(args):
     """Model type -> loaded model -> Engine (with a warm-up). Raises ModelLoadError."""
+    from eagle.chat.model_types import load, model_type
+    from eagle.chat.templates import default_system_prompt
+
     from .engine import Engine
-    from .models import load, model_type
-    from .templates import default_system_prompt
 
     mtype = model_type(args.model_type)
     if args.base_model_path or args.ea_model_path:
@@ -98,7 +99,7 @@ def load_engine(args):
     else:
         print(f"Loading model type '{mtype.name}'" + (f" ({mtype.note})" if mtype.note else ""))
     loaded = load(mtype, args.base_model_path, args.ea_model_path, args.total_token, args.depth, args.top_k,
-                  args.dtype, args.device_map)  # fmt: skip
+                  args.dtype, args.device_map, stages=3)  # fmt: skip
     model = loaded.model
     tree = model.tree
     info = {

@@ -10,9 +10,8 @@ from __future__ import annotations
 import threading
 from typing import Iterator, Sequence
 
+from eagle.chat.templates import FittedPrompt, Turn, build_prompt, encode, fit_turns, resolve_kind
 from eagle.model.generate import Round
-
-from .templates import FittedPrompt, Turn, build_prompt, encode, fit_turns, resolve_kind
 
 LOCK_TIMEOUT_S = 300.0
 

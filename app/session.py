@@ -12,11 +12,11 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Callable, Iterator, Sequence
 
+from eagle.chat.templates import PromptTooLong, Turn
 from eagle.model.generate import Round
 
 from .highlight import Reply, render
 from .stats import RunStats, with_vanilla
-from .templates import PromptTooLong, Turn
 
 MAX_NEW_TOKENS_LIMIT = 4096
 RERUN_SOURCE = "this reply decoded again without EAGLE (same prompt and length), timed on its own"

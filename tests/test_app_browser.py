@@ -36,7 +36,7 @@ from selenium.webdriver.common.keys import Keys  # noqa: E402
 
 def default_engine():
     """The embedded default model, only if it is already here (no download, no conversion)."""
-    from app.models import DEFAULT_HEAD_DIR
+    from eagle.chat.model_types import DEFAULT_HEAD_DIR
 
     try:
         from eagle.default_model import MARKER, converted_model_dir

@@ -12,7 +12,7 @@ import pytest
 from test_app_helpers import ROOT, tiny_model
 
 from app.cli import main, parse_auth, parser
-from app.models import MODEL_TYPES, ModelLoadError, check_head_folder, model_type, pick_dtype, resolve
+from eagle.chat.model_types import MODEL_TYPES, ModelLoadError, check_head_folder, model_type, pick_dtype, resolve
 
 
 def test_model_types_and_reference_spellings():

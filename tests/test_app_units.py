@@ -8,7 +8,7 @@ from test_app_helpers import greedy_reply, one_thread, tiny_engine
 from app.highlight import Detokenizer, Reply, blocks, highlighted_html, plain_text, render
 from app.session import Settings, compare, respond
 from app.stats import RunStats, figures_html, with_vanilla
-from app.templates import (
+from eagle.chat.templates import (
     LLAMA2_SYSTEM_PROMPT, PromptTooLong, build_prompt, default_system_prompt, encode, fit_turns, messages,
     resolve_kind,
 )  # fmt: skip

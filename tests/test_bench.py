@@ -104,7 +104,7 @@ def test_hf_assisted_with_an_assistant_model(tiny_model, tmp_path):
 
 
 def test_missing_default_head_is_reported(monkeypatch, tmp_path, capsys):
-    from eagle.evaluation import models
+    from eagle.chat import model_types as models
 
     monkeypatch.setattr(models, "DEFAULT_HEAD_DIR", tmp_path / "no-head")
     monkeypatch.setitem(models.MODEL_TYPES, "smollm2", models.ModelType("smollm2", None, str(tmp_path / "no-head"),

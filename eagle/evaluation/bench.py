@@ -20,8 +20,10 @@ import sys
 
 import torch
 
+from eagle.chat.model_types import ModelLoadError
+
 from .methods import DEFAULT_METHODS, METHODS, Settings, load_assistant, make_runners, parse_methods
-from .models import ModelLoadError, add_model_args, device_name, load
+from .models import add_model_args, device_name, load_from_args
 from .prompts import build_prompts
 from .report import aggregate, markdown, write_outputs
 
@@ -92,9 +94,9 @@ def run(args, log) -> dict:
     if args.max_new_tokens <= 0:
         raise ValueError("--max-new-tokens must be > 0")
     questions, source = load_questions(args)
-    loaded = load(args, log)
+    loaded = load_from_args(args, log)
     model = loaded.model
-    prompts = build_prompts(questions, model.tokenizer, loaded.mtype.template, loaded.mtype.system)
+    prompts = build_prompts(questions, model.tokenizer, loaded.mtype.template, loaded.mtype.system_prompt)
     assistant = None
     if "hf_assisted" in names:
         log(f"loading assistant {args.assistant_model}")

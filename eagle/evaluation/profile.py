@@ -23,7 +23,9 @@ from collections import defaultdict
 
 import torch
 
-from .models import ModelLoadError, add_model_args, device_name, load
+from eagle.chat.model_types import ModelLoadError
+
+from .models import add_model_args, device_name, load_from_args
 from .prompts import build_prompts
 
 PHASES = [
@@ -257,11 +259,11 @@ def main(argv: list[str] | None = None) -> dict:
         if args.rounds <= 0 or args.max_new_tokens <= 0:
             raise ValueError("--rounds and --max-new-tokens must be > 0")
         questions = load_mtbench_questions(args.question_file)
-        loaded = load(args, log)
+        loaded = load_from_args(args, log)
     except (ModelLoadError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
-    prompts = build_prompts(questions, loaded.model.tokenizer, loaded.mtype.template, loaded.mtype.system)
+    prompts = build_prompts(questions, loaded.model.tokenizer, loaded.mtype.template, loaded.mtype.system_prompt)
     result = profile(loaded.model, prompts, args)
     result.update(device=device_name(loaded.device), model=loaded.describe())
     print(f"{result['device']}; base {result['model']['base']}, head {result['model']['head']} ({loaded.dtype})")

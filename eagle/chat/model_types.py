@@ -1,7 +1,10 @@
 """Model types (chat template + default checkpoints) and loading them with clear messages and progress.
 
-A model type names a base model, the EAGLE head trained for it, and the chat template to build prompts
-with. `--base-model-path` / `--ea-model-path` override the checkpoints (local folders or hub ids).
+A model type names a base model, the EAGLE head trained for it, the chat template to build prompts with and
+the system prompt to start from (the one the reference's web UI and evaluation scripts use).
+`--base-model-path` / `--ea-model-path` override the checkpoints (local folders or hub ids). Without any model
+option the embedded default is used: SmolLM2-135M-Instruct with the EAGLE-3 head in assets/smollm2-eagle3/.
+Shared by the chat app and the evaluation tools.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ from pathlib import Path
 
 from .templates import LLAMA2_SYSTEM_PROMPT
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_HEAD_DIR = ROOT / "assets" / "smollm2-eagle3"
 HEAD_FILES = ("model.safetensors", "pytorch_model.bin")
 
@@ -22,8 +25,8 @@ HEAD_FILES = ("model.safetensors", "pytorch_model.bin")
 class ModelType:
     name: str
     base: str | None  # hub id or folder; None = the embedded default (eagle.default_model)
-    head: str
-    template: str  # a kind from app.templates.TEMPLATE_KINDS
+    head: str  # hub id or folder
+    template: str  # a kind from eagle.chat.templates.TEMPLATE_KINDS
     system_prompt: str = ""  # what the system box starts with ("" = the template's own default)
     gpu_dtype: str = "float16"  # advised on GPU (CPU always defaults to float32)
     note: str = ""
@@ -96,6 +99,7 @@ def default_base_path(log=print) -> str:
 
 
 def check_head_folder(path: str, is_default: bool) -> None:
+    """A local head folder must hold config.json and the weights; the default one may not be trained yet."""
     folder = Path(path)
     missing = [] if (folder / "config.json").is_file() else ["config.json"]
     if not any((folder / f).is_file() for f in HEAD_FILES):
@@ -149,18 +153,30 @@ def resolve(path: str, what: str, flag: str, head: bool, log=print) -> str:
 class LoadedModel:
     model: object  # EaModel
     mtype: ModelType
-    base_path: str
+    base_path: str  # the local folders the weights came from
     head_path: str
+    base_name: str  # as asked for: hub id or folder (the resolved folder for the embedded default base)
+    head_name: str
     dtype: str
     device: str
     seconds: float
+
+    def describe(self) -> dict:
+        """The model in a benchmark report."""
+        return {
+            "type": self.mtype.name, "base": self.base_name, "head": self.head_name, "dtype": self.dtype,
+            "eagle3": bool(self.model.use_eagle3), "template": self.mtype.template,
+        }  # fmt: skip
 
 
 def load(
     mtype: ModelType, base_path: str | None = None, head_path: str | None = None, total_token: int = 60,
     depth: int = 7, top_k: int = 10, dtype: str = "auto", device_map: str | None = None, log=print,
+    stages: int = 2,
 ) -> LoadedModel:  # fmt: skip
-    """Resolve and load base + head, printing stages. Raises ModelLoadError with a readable message."""
+    """Resolve and load base + head, reporting stages through `log` ("[1/stages] ...", "[2/stages] ...";
+    a caller with more stages of its own, like the app's warm-up, passes their total).
+    Raises ModelLoadError with a readable message."""
     import torch
 
     from eagle.model.ea_model import EaModel
@@ -168,34 +184,42 @@ def load(
     t0 = time.perf_counter()
     cuda = torch.cuda.is_available()
     torch_dtype = pick_dtype(dtype, mtype, cuda)
+    dtype_name = str(torch_dtype).replace("torch.", "")
     if device_map is None:
         device_map = "auto" if cuda else None
     elif device_map == "cpu":
         device_map = None
 
-    log("[1/3] locating checkpoints")
+    log(f"[1/{stages}] locating checkpoints")
     # the head first: it is small, so a missing head is reported before a long base download or conversion
-    head = head_path or mtype.head
+    head_name = head_path or mtype.head
+    if not head_name:
+        raise ModelLoadError(f"model type {mtype.name!r} has no EAGLE head: pass --ea-model-path <folder or hub id>")
     if head_path is None and mtype.name == "smollm2":
-        check_head_folder(head, is_default=True)
+        check_head_folder(head_name, is_default=True)
+        head = head_name
     else:
-        head = resolve(head, "EAGLE head", "--ea-model-path", True, log)
-    base = base_path or mtype.base
-    base = default_base_path(log) if base is None else resolve(base, "base model", "--base-model-path", False, log)
+        head = resolve(head_name, "EAGLE head", "--ea-model-path", True, log)
+    base_name = base_path or mtype.base
+    if base_name is None:
+        base = base_name = default_base_path(log)
+    else:
+        base = resolve(base_name, "base model", "--base-model-path", False, log)
     log(f"      base: {base}\n      head: {head}")
 
     where = "GPU (device_map=auto)" if device_map == "auto" else f"device_map={device_map}" if device_map else "CPU"
-    log(f"[2/3] loading weights: {str(torch_dtype).replace('torch.', '')} on {where} ...")
+    log(f"[2/{stages}] loading weights: {dtype_name} on {where} ...")
     kwargs = {"dtype": torch_dtype, "low_cpu_mem_usage": True}
     if device_map:
         kwargs["device_map"] = device_map
     try:
         model = EaModel.from_pretrained(base, head, total_token=total_token, depth=depth, top_k=top_k, **kwargs)
     except (OSError, ValueError, KeyError, RuntimeError) as e:
-        raise ModelLoadError(f"loading failed: {type(e).__name__}: {e}") from None
+        what = f"base {base_name!r}, head {head_name!r}"
+        raise ModelLoadError(f"loading failed ({what}): {type(e).__name__}: {e}") from None
     seconds = time.perf_counter() - t0
     device = str(next(model.base_model.parameters()).device)
     kind = "EAGLE-3" if model.use_eagle3 else "EAGLE-1/2"
     log(f"      loaded in {seconds:.1f} s ({kind} head, tree: total_token={model.tree.total_token}, "
         f"depth={model.tree.depth}, top_k={model.tree.top_k})")  # fmt: skip
-    return LoadedModel(model, mtype, base, head, str(torch_dtype).replace("torch.", ""), device, seconds)
+    return LoadedModel(model, mtype, base, head, str(base_name), str(head_name), dtype_name, device, seconds)
