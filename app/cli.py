@@ -26,9 +26,10 @@ def parser() -> argparse.ArgumentParser:
                    f"checkpoints: {', '.join(types)} (default: smollm2, the embedded model)")  # fmt: skip
     p.add_argument("--base-model-path", help="base model folder or hub id (default: the model type's)")
     p.add_argument("--ea-model-path", help="EAGLE head folder or hub id (default: the model type's)")
-    p.add_argument("--total-token", type=int, default=60, help="draft tree size per round; -1 = pick by timing")
-    p.add_argument("--depth", type=int, default=7, help="draft tree depth (default 7)")
-    p.add_argument("--top-k", type=int, default=10, help="draft tree branching (default 10)")
+    p.add_argument("--total-token", type=int, default=None,
+                   help="draft tree size per round; -1 = pick by timing (default: 60 on GPU, 16 on CPU)")
+    p.add_argument("--depth", type=int, default=None, help="draft tree depth (default: 7 on GPU, 5 on CPU)")
+    p.add_argument("--top-k", type=int, default=None, help="draft tree branching (default: 10 on GPU, 4 on CPU)")
     p.add_argument("--dtype", default="auto", choices=DTYPES,
                    help="weights dtype; auto = float32 on CPU, float16 on GPU (bfloat16 for qwen2)")  # fmt: skip
     p.add_argument("--device-map", default=None, help="transformers device_map (default: auto on GPU, cpu)")

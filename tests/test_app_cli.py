@@ -37,7 +37,10 @@ def test_dtypes_and_defaults():
     assert pick_dtype("auto", model_type("vicuna"), cuda=True) is torch.float16
     assert pick_dtype("auto", model_type("vicuna"), cuda=False) is torch.float32
     args = parser().parse_args([])
-    assert args.model_type == "smollm2" and args.total_token == 60 and args.depth == 7 and args.top_k == 10
+    assert args.model_type == "smollm2" and (args.total_token, args.depth, args.top_k) == (None, None, None)
+    # no tree option: the model type's tree for the device (the reference's on GPU, a small one on CPU)
+    assert model_type("smollm2").default_tree(cuda=True) == (60, 7, 10)
+    assert model_type("smollm2").default_tree(cuda=False) == (16, 5, 4)
     assert args.host == "127.0.0.1" and not args.share
     assert parse_auth("me:pa:ss") == ("me", "pa:ss") and parse_auth(None) is None
     with pytest.raises(SystemExit, match="USER:PASSWORD"):

@@ -30,6 +30,13 @@ class ModelType:
     system_prompt: str = ""  # what the system box starts with ("" = the template's own default)
     gpu_dtype: str = "float16"  # advised on GPU (CPU always defaults to float32)
     note: str = ""
+    # Default EAGLE-2 tree (total_token, depth, top_k): the reference's 60/7/10 suits GPUs, where verifying 60
+    # tokens costs about one token; on a CPU the pass grows with the tree, so the CPU default is small.
+    tree: tuple[int, int, int] = (60, 7, 10)
+    cpu_tree: tuple[int, int, int] = (16, 5, 4)
+
+    def default_tree(self, cuda: bool) -> tuple[int, int, int]:
+        return self.tree if cuda else self.cpu_tree
 
 
 MODEL_TYPES: dict[str, ModelType] = {
@@ -170,14 +177,17 @@ class LoadedModel:
 
 
 def load(
-    mtype: ModelType, base_path: str | None = None, head_path: str | None = None, total_token: int = 60,
-    depth: int = 7, top_k: int = 10, dtype: str = "auto", device_map: str | None = None, log=print,
-    stages: int = 2,
+    mtype: ModelType, base_path: str | None = None, head_path: str | None = None, total_token: int | None = None,
+    depth: int | None = None, top_k: int | None = None, dtype: str = "auto", device_map: str | None = None,
+    log=print, stages: int = 2,
 ) -> LoadedModel:  # fmt: skip
     """Resolve and load base + head, reporting stages through `log` ("[1/stages] ...", "[2/stages] ...";
-    a caller with more stages of its own, like the app's warm-up, passes their total).
-    Raises ModelLoadError with a readable message."""
+    a caller with more stages of its own, like the app's warm-up, passes their total). Tree options left None
+    take the model type's default for this device. Raises ModelLoadError with a readable message."""
     import torch
+
+    default = mtype.default_tree(torch.cuda.is_available())
+    total_token, depth, top_k = (v if v is not None else d for v, d in zip((total_token, depth, top_k), default))
 
     from eagle.model.ea_model import EaModel
 

@@ -19,9 +19,10 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
                    help="default checkpoints and prompt template (default: smollm2)")
     g.add_argument("--base-model-path", default=None, help="base model folder or hub id (overrides the type's)")
     g.add_argument("--ea-model-path", default=None, help="EAGLE head folder or hub id (overrides the type's)")
-    g.add_argument("--total-token", type=int, default=60, help="EAGLE-2 tree: nodes verified per round (default: 60)")
-    g.add_argument("--depth", type=int, default=7, help="EAGLE-2 tree: draft depth (default: 7)")
-    g.add_argument("--top-k", type=int, default=10, help="EAGLE-2 tree: branching per node (default: 10)")
+    g.add_argument("--total-token", type=int, default=None,
+                   help="EAGLE-2 tree: nodes verified per round (default: 60 on GPU, 16 on CPU; -1 = by timing)")
+    g.add_argument("--depth", type=int, default=None, help="EAGLE-2 tree: draft depth (default: 7 on GPU, 5 on CPU)")
+    g.add_argument("--top-k", type=int, default=None, help="EAGLE-2 tree: branching (default: 10 on GPU, 4 on CPU)")
     g.add_argument("--dtype", choices=DTYPES, default="auto", help="auto: float32 on CPU, the type's dtype on GPU")
     g.add_argument("--device-map", default=None, help="transformers device_map (default: 'auto' on GPU, CPU otherwise)")
 
