@@ -119,3 +119,19 @@ def test_compact_moves_kept_rows_into_the_prefix():
         assert layer.get_seq_length() == 6
         assert layer.keys[0, 0, :6, 0].tolist() == [0, 1, 2, 3, 5, 6]
         assert layer.values[0, 0, :6, 0].tolist() == [0, -1, -2, -3, -5, -6]
+
+
+def test_auto_tree_size_is_timed_and_stays_lossless(tmp_path):
+    from tiny import save_base
+
+    from eagle.model.ea_model import AUTO_TREE_SIZES
+
+    base = tiny_base("llama")
+    save_base(base, str(tmp_path / "base"))
+    draft = random_draft(base, str(tmp_path / "d"))
+    model = EaModel.from_pretrained(str(tmp_path / "base"), draft, total_token=-1, device_map="auto")
+    assert model.tree.total_token in AUTO_TREE_SIZES
+    ids = torch.tensor([[3, 4, 5]])
+    ref = base.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=24,
+                        min_new_tokens=24, eos_token_id=None, pad_token_id=0)  # fmt: skip
+    assert model.eagenerate(ids, max_new_tokens=24, stop_token_ids=[]).tolist() == ref.tolist()
