@@ -1,8 +1,9 @@
 """The loaded model as the app uses it: prompts for its chat template, and one generation at a time.
 
-The model holds a single KV cache, so two generations must never interleave. The Gradio queue already runs
-generation events one at a time (one concurrency group, limit 1); the lock here also covers the moment
-after a Stop, when a cancelled run may still be finishing its current round in a worker thread.
+Generations run one at a time, so two decoders never compete for the device and each one's tokens/s is its
+own. The Gradio queue already runs generation events one at a time (one concurrency group, limit 1); the lock
+here also covers the moment after a Stop, when a cancelled run may still be finishing its current round in a
+worker thread.
 """
 
 from __future__ import annotations
