@@ -14,11 +14,12 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from eagle.model.checkpoint import WEIGHT_FILES
+
 from .templates import LLAMA2_SYSTEM_PROMPT
 
 ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_HEAD_DIR = ROOT / "assets" / "smollm2-eagle3"
-HEAD_FILES = ("model.safetensors", "pytorch_model.bin")
 
 
 @dataclass(frozen=True)
@@ -109,7 +110,7 @@ def check_head_folder(path: str, is_default: bool) -> None:
     """A local head folder must hold config.json and the weights; the default one may not be trained yet."""
     folder = Path(path)
     missing = [] if (folder / "config.json").is_file() else ["config.json"]
-    if not any((folder / f).is_file() for f in HEAD_FILES):
+    if not any((folder / f).is_file() for f in WEIGHT_FILES):
         missing.append("model.safetensors")
     if not missing:
         return
