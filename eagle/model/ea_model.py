@@ -112,13 +112,17 @@ class EaModel(nn.Module):
             raise ValueError(f"input_ids holds ids outside the vocabulary [0, {self.vocab_size})")
         return input_ids.cpu()
 
+    def stream(self, input_ids, **kw) -> Iterator[Round]:
+        """Typed rounds: `Round.tokens`, `.accepted` (drafted and accepted), `.seconds`, `.stop`. Keywords as
+        `_rounds`: temperature, top_p, top_k, max_new_tokens, max_length, eagle, stop_token_ids, tree."""
+        return self._rounds(self._check_input(input_ids), **kw)
+
     @torch.inference_mode()
-    def stream(
+    def _rounds(
         self, input_ids, temperature: float = 0.0, top_p: float = 0.0, top_k: int = 0, max_new_tokens: int = 512,
         max_length: int = 2048, eagle: bool = True, stop_token_ids=None, tree: TreeSpec | None = None,
     ) -> Iterator[Round]:  # fmt: skip
-        """Typed rounds: `Round.tokens`, `.accepted` (drafted and accepted), `.seconds`, `.stop`."""
-        input_ids = self._check_input(input_ids)
+        """`stream` on input_ids already checked by `_check_input` ([1, n], on CPU)."""
         picker = TokenPicker(SamplingParams(float(temperature), float(top_p or 0.0), int(top_k or 0)))
         stops = self.stop_token_ids if stop_token_ids is None else set(stop_token_ids)
         budget = Budget(input_ids.shape[1], max_new_tokens, max_length, stops)
@@ -137,7 +141,7 @@ class EaModel(nn.Module):
     def _generate(self, input_ids, eagle: bool, log: bool, **kw):
         input_ids = self._check_input(input_ids)
         new, rounds = [], 0
-        for r in self.stream(input_ids, eagle=eagle, **kw):
+        for r in self._rounds(input_ids, eagle=eagle, **kw):
             new += r.tokens
             rounds += 1
         ids = torch.cat([input_ids, torch.tensor([new], dtype=input_ids.dtype)], dim=1)
@@ -147,7 +151,7 @@ class EaModel(nn.Module):
     def _stream_ids(self, input_ids, eagle: bool, **kw):
         input_ids = self._check_input(input_ids)
         ids = input_ids
-        for r in self.stream(input_ids, eagle=eagle, **kw):
+        for r in self._rounds(input_ids, eagle=eagle, **kw):
             ids = torch.cat([ids, torch.tensor([r.tokens], dtype=ids.dtype)], dim=1)
             yield ids
 
