@@ -145,3 +145,22 @@ def test_eagle1_end_to_end(env):
     for p, ids in zip(prompts, outputs):
         ref = env["base"].generate(p[None], max_new_tokens=40, do_sample=False, eos_token_id=None, pad_token_id=0)
         assert torch.equal(ids, ref)
+
+
+def test_init_from_checkpoint_or_export_starts_from_those_weights(env):
+    name = _prepare(env, "eagle3")
+    out = env["root"] / "init-src"
+    common = ["--data", name, "--batch-tokens", "512", "--draft-vocab-size", "64", "--intermediate-size", "64",
+              "--ttt-steps", "2", "--eval-samples", "8", "--eval-every", "1000", "--mixed-precision", "no",
+              "--export-dtype", "fp32"]  # fmt: skip
+    cli(["fit", "--out", str(out), "--steps", "10", "--save-every", "10", "--lr", "1e-2"] + common)
+    ckpt = out / "checkpoints" / "step_00000010.pt"
+    trained = torch.load(ckpt, weights_only=False)["head"]
+    for source in (str(ckpt), str(out / "final")):
+        dst = env["root"] / f"init-{os.path.basename(source)}"
+        cli(["fit", "--out", str(dst), "--steps", "1", "--save-every", "1", "--lr", "0", "--init-from", source]
+            + common)  # fmt: skip
+        started = torch.load(dst / "checkpoints" / "step_00000001.pt", weights_only=False)["head"]
+        assert started.keys() == trained.keys()
+        for k in trained:  # lr 0: the one step leaves the initial weights as they were
+            assert torch.equal(started[k], trained[k]), k

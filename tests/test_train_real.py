@@ -18,16 +18,20 @@ def test_smollm2_sharegpt_pipeline(tmp_path):
     base = default_base_model_path()
     plain, regen, run = str(tmp_path / "plain"), str(tmp_path / "regen"), tmp_path / "run"
     cli(["prepare", "--base-model-path", base, "--out", plain, "--limit", "6", "--max-len", "256"])
+    batched = str(tmp_path / "regen-batched")
     cli(["prepare", "--base-model-path", base, "--out", regen, "--limit", "2", "--skip", "6", "--max-len", "256",
          "--regenerate", "--regen-max-new-tokens", "24"])  # fmt: skip
-    data = CachedData(regen)
-    assert len(data) >= 1 and data.meta["complete"]
-    item = data[0]
-    mask = item["loss_mask"]
-    # Self-distilled replies are the base's greedy tokens: at every reply position but the first of a turn
-    # (which follows the template's header) the stored greedy token is the next one.
-    follows = mask[1:] & mask[:-1]
-    assert (item["argmax"][:-1][follows] == item["input_ids"][1:][follows]).float().mean() > 0.95
+    cli(["prepare", "--base-model-path", base, "--out", batched, "--limit", "4", "--skip", "8", "--max-len", "256",
+         "--regenerate", "--regen-max-new-tokens", "24", "--regen-batch-size", "4"])  # fmt: skip
+    for name in (regen, batched):
+        data = CachedData(name)
+        assert len(data) >= 1 and data.meta["complete"]
+        item = data[0]
+        mask = item["loss_mask"]
+        # Self-distilled replies are the base's greedy tokens: at every reply position but the first of a turn
+        # (which follows the template's header) the stored greedy token is the next one.
+        follows = mask[1:] & mask[:-1]
+        assert (item["argmax"][:-1][follows] == item["input_ids"][1:][follows]).float().mean() > 0.95
 
     cli(["fit", "--data", regen, "--data", plain, "--out", str(run), "--steps", "3", "--batch-tokens", "512",
          "--draft-vocab-size", "2048", "--eval-samples", "1", "--eval-every", "3", "--base-model-path", base,

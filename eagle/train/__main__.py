@@ -36,7 +36,9 @@ PREPARE_HELP = {
     "limit": "number of conversations", "skip": "skip this many conversations first",
     "template": "default: the tokenizer's chat template; fastchat:<name> (e.g. fastchat:vicuna_v1.1); or a Jinja file",
     "regenerate": "replace the replies by the base's own (self-distillation)",
-    "regen_temperature": "0 = greedy", "dtype": "storage dtype of the features: bf16 or fp16",
+    "regen_temperature": "0 = greedy",
+    "regen_batch_size": "> 1: keep each conversation's opening and regenerate only its first reply, this many "
+                        "conversations per generate call (much faster on CPU; use --shard-size >= it)", "dtype": "storage dtype of the features: bf16 or fp16",
     "compute_dtype": "base weights dtype: auto (bf16 on CPU), bf16, fp16, fp32",
     "part": "i/n: this process handles every n-th shard starting at i",
 }  # fmt: skip

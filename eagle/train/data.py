@@ -29,7 +29,8 @@ import torch
 
 from eagle.model.base import eagle3_feature_layers
 
-from .masks import TemplateError, encode_conversation, make_template, stop_token_ids
+from .masks import TemplateError, encode_conversation, make_template
+from .regen import regenerate_first_turns, regenerate_replies
 
 FORMAT_VERSION = 1
 STORE_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
@@ -99,47 +100,6 @@ class FeatureExtractor:
         return result
 
 
-def regenerate_replies(model, tokenizer, template, messages, max_len: int, max_new_tokens: int,
-                       temperature: float = 0.0) -> tuple[list[dict], bool]:  # fmt: skip
-    """Self-distillation: replace each assistant reply by the base's own, turn by turn (each conditioned on the
-    replies regenerated before it). Stops at the first turn that does not fit in `max_len`.
-
-    Returns (messages, truncated): truncated = the last reply was cut by the length budget, so the end-of-turn
-    token the template adds after it is not one the base produced."""
-    stops = sorted(stop_token_ids(tokenizer))
-    device = model.get_input_embeddings().weight.device
-    out, truncated = [], False
-    for m in messages:
-        if m["role"] != "assistant":
-            out.append(m)
-            continue
-        prompt = template.render(out, add_generation_prompt=True)
-        ids = tokenizer(prompt, add_special_tokens=False, return_tensors="pt").input_ids
-        if template.adds_bos and tokenizer.bos_token_id is not None:
-            ids = torch.cat([torch.tensor([[tokenizer.bos_token_id]]), ids], dim=1)
-        budget = min(max_new_tokens, max_len - ids.shape[1])
-        if budget < 8:
-            break
-        sampling = {"do_sample": True, "temperature": temperature, "top_p": 1.0, "top_k": 0} if temperature > 0 else {
-            "do_sample": False}  # fmt: skip
-        gen = model.generate(
-            ids.to(device), attention_mask=torch.ones_like(ids).to(device), max_new_tokens=budget,
-            eos_token_id=stops or None, pad_token_id=stops[0] if stops else 0, **sampling,
-        )[0, ids.shape[1]:].tolist()  # fmt: skip
-        cut = next((i for i, t in enumerate(gen) if t in stops), len(gen))
-        text = tokenizer.decode(gen[:cut], skip_special_tokens=True)
-        if not text.strip():
-            break
-        out.append({"role": "assistant", "content": text})
-        if cut == len(gen):  # ran out of room: nothing after this turn fits
-            truncated = True
-            break
-    while out and out[-1]["role"] != "assistant":
-        out.pop()
-        truncated = False
-    return out, truncated
-
-
 # ---------------------------------------------------------------------------------------------------------
 @dataclass
 class PrepareConfig:
@@ -154,6 +114,7 @@ class PrepareConfig:
     regenerate: bool = False
     regen_max_new_tokens: int = 512
     regen_temperature: float = 0.0
+    regen_batch_size: int = 1  # > 1: regenerate only the first reply, this many conversations per generate call
     dtype: str = "bf16"  # storage dtype of the features
     compute_dtype: str = "auto"  # base weights: auto = bf16 on CPU (fast on CPUs with bf16 units), else the file's
     shard_size: int = 32
@@ -165,7 +126,10 @@ class PrepareConfig:
 def _meta_key(cfg: PrepareConfig) -> dict:
     keep = ("base_model_path", "recipe", "data_path", "skip", "max_len", "template", "regenerate",
             "regen_max_new_tokens", "regen_temperature", "dtype", "shard_size", "seed")  # fmt: skip
-    return {k: getattr(cfg, k) for k in keep}
+    key = {k: getattr(cfg, k) for k in keep}
+    if cfg.regenerate and cfg.regen_batch_size > 1:  # absent: every turn regenerated (or none)
+        key["regen_first_turns"] = True
+    return key
 
 
 def _write_shard(path: Path, samples: list[dict], store: torch.dtype) -> None:
@@ -252,23 +216,31 @@ def prepare(cfg: PrepareConfig, conversations: list | None = None, log=print) ->
         if path.exists():
             bar.update(len(chunk))
             continue
+        if cfg.regenerate and cfg.regen_batch_size > 1:
+            convs = [[] if isinstance(m, tuple) else m for m in chunk]  # tokenized samples are kept as they are
+            regenerated = regenerate_first_turns(model, tokenizer, template, convs, cfg.max_len,
+                                                 cfg.regen_max_new_tokens, cfg.regen_temperature,
+                                                 cfg.regen_batch_size)  # fmt: skip
         samples = []
-        for messages in chunk:
+        for c, messages in enumerate(chunk):
             bar.update(1)
+            truncated = False
             try:
                 if isinstance(messages, tuple):  # already tokenized: (input_ids [T], loss_mask [T])
                     ids, mask = messages[0][: cfg.max_len], messages[1][: cfg.max_len]
-                elif cfg.regenerate:
-                    messages, truncated = regenerate_replies(
-                        model, tokenizer, template, messages, cfg.max_len, cfg.regen_max_new_tokens,
-                        cfg.regen_temperature,
-                    )  # fmt: skip
+                else:
+                    if cfg.regenerate and cfg.regen_batch_size > 1:
+                        messages, truncated = regenerated[c] or ([], False)
+                    elif cfg.regenerate:
+                        messages, truncated = regenerate_replies(
+                            model, tokenizer, template, messages, cfg.max_len, cfg.regen_max_new_tokens,
+                            cfg.regen_temperature,
+                        )  # fmt: skip
                     if not messages:
                         skipped += 1
                         continue
-                if not isinstance(messages, tuple):
                     ids, mask = encode_conversation(tokenizer, template, messages, cfg.max_len)
-                    if cfg.regenerate and truncated and mask.any():  # drop the end-of-turn the base never wrote
+                    if truncated and mask.any():  # drop the end-of-turn the base never wrote
                         end = int(mask.nonzero()[-1])
                         ids, mask = ids[:end], mask[:end]
             except TemplateError:

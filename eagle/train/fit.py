@@ -51,7 +51,7 @@ class FitConfig:
     intermediate_size: int | None = None  # None = the base's
     bias: bool = True  # EAGLE-1/2 fc bias
     include_embedding: bool = True  # EAGLE-1/2: ship embed_tokens.weight, as the reference does
-    init_from: str | None = None  # start from an exported head folder
+    init_from: str | None = None  # start from an exported head folder or a checkpoints/step_*.pt
     lm_head_init: str = "base"  # EAGLE-3: "base" = base lm_head rows (+ 0.1 x its final norm); "random" = reference
     eval_samples: int = 64  # held out from the end of each dataset (at most 10% of it)
     eval_every: int = 200
@@ -149,13 +149,16 @@ class Items:
 # ---------------------------------------------------------------------------------------------------------
 def build_head(cfg: FitConfig, items: Items, config: dict, log) -> DraftHead:
     """A fresh head (EAGLE-3: vocabulary from the training replies, lm_head/norm from the base's), or the head in
-    `cfg.init_from` (an exported folder; its draft vocabulary is kept)."""
+    `cfg.init_from` (an exported folder or a training checkpoint; its draft vocabulary is kept)."""
     eagle3 = cfg.recipe == "eagle3"
     head = DraftHead(DraftConfig.from_dict(config, eagle3), own_embedding=False)
     if cfg.init_from:
         from eagle.model.checkpoint import read_checkpoint
 
-        _, state = read_checkpoint(cfg.init_from)
+        if cfg.init_from.endswith(".pt"):  # a training checkpoint (checkpoints/step_*.pt)
+            state = torch.load(cfg.init_from, map_location="cpu", weights_only=False)["head"]
+        else:
+            _, state = read_checkpoint(cfg.init_from)
         state = {k: v for k, v in state.items() if k != "embed_tokens.weight"}
         own = head.state_dict()
         head.load_state_dict({k: v.to(own[k].dtype) for k, v in state.items()}, strict=True)
