@@ -29,6 +29,7 @@ import torch
 
 from eagle.model.base import eagle3_feature_layers
 
+from .cpu import keep_freed_memory
 from .masks import TemplateError, encode_conversation, make_template
 from .regen import regenerate_first_turns, regenerate_replies
 
@@ -177,6 +178,8 @@ def prepare(cfg: PrepareConfig, conversations: list | None = None, log=print) ->
     part, parts = (int(x) for x in cfg.part.split("/"))
     torch.manual_seed(cfg.seed)
     device = cfg.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cpu":
+        keep_freed_memory()
     dtype = cfg.compute_dtype
     if dtype == "auto":
         dtype = "bf16" if device == "cpu" else "auto"

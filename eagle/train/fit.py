@@ -23,6 +23,7 @@ import torch
 
 from eagle.model.draft_head import DraftConfig, DraftHead
 
+from .cpu import keep_freed_memory
 from .data import CachedData
 from .export import draft_config, export_head, head_state
 from .losses import DraftTrainer, summarize
@@ -180,22 +181,6 @@ def build_head(cfg: FitConfig, items: Items, config: dict, log) -> DraftHead:
         log(f"draft vocabulary: {config['draft_vocab_size']} of {config['vocab_size']} ids, covering "
             f"{coverage(counts, head.t2d):.2%} of the {int(counts.sum())} training reply tokens")  # fmt: skip
     return head
-
-
-def keep_freed_memory() -> None:
-    """CPU speed-up: glibc hands large freed blocks back to the OS and page-faults fresh zeroed pages in for the
-    next step's tensors, which costs as much kernel time as the math. Keep freed memory in the heap instead
-    (like GLIBC_TUNABLES=glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=...). No-op off glibc."""
-    import ctypes
-
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:
-        return
-    M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_MAX = -1, -2, -4
-    libc.mallopt(M_MMAP_MAX, 0)
-    libc.mallopt(M_TRIM_THRESHOLD, 2**31 - 1)
-    libc.mallopt(M_TOP_PAD, 256 << 20)
 
 
 def lr_lambda(warmup: int, total: int, min_ratio: float):
