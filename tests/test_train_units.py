@@ -10,7 +10,7 @@ from eagle.model.base import additive_mask
 from eagle.model.checkpoint import build_draft_head, read_checkpoint
 from eagle.model.draft_head import DraftConfig, DraftHead
 from eagle.train.export import draft_config, export_head
-from eagle.train.fit import lr_lambda, make_batches
+from eagle.train.fit import epoch_batches, lr_lambda, make_batches
 from eagle.train.losses import DraftTrainer
 from eagle.train.ttt import chain_length, live_positions, shift, unrolled_forward
 from eagle.train.vocab import coverage, draft_vocab, token_counts, used_ids
@@ -177,3 +177,20 @@ def test_lr_schedule():
     f = lr_lambda(10, 110, 0.1)
     assert f(0) == pytest.approx(0.1) and f(9) == pytest.approx(1.0)
     assert f(60) == pytest.approx(0.55) and f(110) == pytest.approx(0.1)
+
+
+def test_every_epoch_has_the_same_number_of_batches():
+    """Shuffles group samples into different numbers of batches; the step -> epoch mapping needs a fixed count
+    (a shorter epoch used to leave `fit` looping forever at its end)."""
+    import random
+
+    rng = random.Random(0)
+    lengths = [rng.randint(20, 600) for _ in range(700)]
+    counts = {len(make_batches(lengths, 2048, seed)) for seed in range(10)}
+    assert len(counts) > 1  # the situation that hung
+    n = len(make_batches(lengths, 2048, 0)) // 2
+    for seed in range(10):
+        for rank in range(2):
+            local = epoch_batches(lengths, 2048, seed, rank, 2, n)
+            assert len(local) == n and local == epoch_batches(lengths, 2048, seed, rank, 2, n)
+            assert set(sum(local, [])) == set(sum(make_batches(lengths, 2048, seed)[rank::2][:n], []))

@@ -94,6 +94,18 @@ def make_batches(lengths: list[int], batch_tokens: int, seed: int) -> list[list[
     return batches
 
 
+def epoch_batches(lengths: list[int], batch_tokens: int, seed: int, rank: int, world: int, n: int) -> list[list[int]]:
+    """This process's n batches of one epoch. Every epoch has the same n (steps map to epochs by division):
+    an epoch whose shuffle groups into fewer batches repeats its first ones, one that groups into more drops
+    its last ones."""
+    local = make_batches(lengths, batch_tokens, seed)[rank::world]
+    if not local:
+        raise ValueError(f"an epoch grouped into fewer batches than the {world} processes: lower --batch-tokens")
+    while len(local) < n:
+        local += local[: n - len(local)]
+    return local[:n]
+
+
 def collate(items: list[dict], eagle3: bool, device, max_len: int | None = None) -> dict[str, torch.Tensor]:
     """Right-pad samples into a batch. -> input_ids, loss_mask, argmax [B, T]; lengths [B]; hidden [B, T, H];
     features [B, T, F] (EAGLE-3: the taps; EAGLE-1/2: the hidden state), floats in fp32."""
@@ -368,8 +380,8 @@ def fit(cfg: FitConfig, log=print) -> Path:
     trainer.train()
     while step < total:
         epoch, done = divmod(step, per_epoch)
-        batches = make_batches(lengths, cfg.batch_tokens, cfg.seed + epoch)
-        local = batches[acc.process_index :: acc.num_processes][: per_epoch * cfg.grad_accum]
+        local = epoch_batches(lengths, cfg.batch_tokens, cfg.seed + epoch, acc.process_index, acc.num_processes,
+                              per_epoch * cfg.grad_accum)  # fmt: skip
         for b in local[done * cfg.grad_accum :]:
             batch = collate([items[items.train[i]] for i in b], eagle3, acc.device, cfg.max_len)
             tokens_seen += int(batch["lengths"].sum())
