@@ -8,6 +8,10 @@
 # after an interruption continues the job; SKIP_STAGE1=1 starts at stage 2. THREADS sets stages 2-3's threads.
 #
 #   setsid nohup eagle/train/train_smollm2.sh >> ~/.cache/eagle/train-smollm2.log 2>&1 < /dev/null &
+#
+# The shipped head came from stage 1 stopped at step 600 and stage 3's best export (step 600), i.e.
+#   SKIP_STAGE1=1 INIT=~/.cache/eagle/train-runs/smollm2-stage1/checkpoints/step_00000600.pt eagle/train/train_smollm2.sh
+# ASSET=folder sends new best exports somewhere other than assets/ (to benchmark them before replacing).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 PY=${PY:-.venv/bin/python}
