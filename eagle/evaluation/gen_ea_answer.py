@@ -26,6 +26,7 @@ import torch
 from eagle.chat.model_types import ModelLoadError
 from eagle.chat.templates import build_prompt, encode
 
+from .methods import timed
 from .models import add_model_args, load_from_args
 from .questions import load_mtbench_questions
 
@@ -55,14 +56,9 @@ def answer(model, kind: str, system: str, turns: list[str], generate, max_new_to
     device = model.base_model.get_input_embeddings().weight.device
     for question in turns:
         ids = encode(kind, model.tokenizer, build_prompt(kind, history + [(question, None)], system, model.tokenizer))
-        x = torch.tensor([ids])
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        t0 = time.perf_counter()
-        out, n, rounds = generate(x, temperature=temperature, max_new_tokens=max_new_tokens, log=True)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        wall.append(time.perf_counter() - t0)
+        (out, n, rounds), seconds = timed(device, lambda: generate(
+            torch.tensor([ids]), temperature=temperature, max_new_tokens=max_new_tokens, log=True))  # fmt: skip
+        wall.append(seconds)
         text = model.tokenizer.decode(out[0, len(ids) :].tolist(), skip_special_tokens=True).strip()
         history.append((question, text))
         texts.append(text)

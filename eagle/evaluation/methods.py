@@ -42,7 +42,8 @@ class Settings:
 Runner = Callable[[list[int]], Output]
 
 
-def _timed(device: torch.device, fn):
+def timed(device: torch.device, fn):
+    """(fn(), wall seconds), with the device synchronised before and after on CUDA."""
     cuda = device.type == "cuda"
     if cuda:
         torch.cuda.synchronize(device)
@@ -80,7 +81,7 @@ def hf_runner(model, settings: Settings, assistant: dict | None = None, **extra)
     def run(ids: list[int]) -> Output:
         x = torch.tensor([ids], device=device)
         with torch.inference_mode():
-            out, seconds = _timed(device, lambda: base.generate(
+            out, seconds = timed(device, lambda: base.generate(
                 x, attention_mask=torch.ones_like(x), generation_config=config, **kwargs
             ))  # fmt: skip
         return Output(out[0, len(ids) :].tolist(), seconds, None)
@@ -95,7 +96,7 @@ def engine_runner(model, settings: Settings, eagle: bool, tree=None) -> Runner:
 
     def run(ids: list[int]) -> Output:
         x = torch.tensor([ids])
-        (out, new_tokens, rounds), seconds = _timed(device, lambda: generate(
+        (out, new_tokens, rounds), seconds = timed(device, lambda: generate(
             x, temperature=settings.temperature, max_new_tokens=settings.max_new_tokens,
             max_length=len(ids) + settings.max_new_tokens, log=True, **extra,
         ))  # fmt: skip
