@@ -30,6 +30,7 @@ import torch
 from eagle.model.base import eagle3_feature_layers
 
 from .cpu import keep_freed_memory
+from .export import write_safetensors
 from .masks import TemplateError, encode_conversation, make_template
 from .regen import regenerate_first_turns, regenerate_replies
 
@@ -123,12 +124,17 @@ class PrepareConfig:
     device: str | None = None
     seed: int = 0
 
+    @property
+    def regen_first_turns(self) -> bool:
+        """Batched self-distillation: only each conversation's first reply is regenerated."""
+        return self.regenerate and self.regen_batch_size > 1
+
 
 def _meta_key(cfg: PrepareConfig) -> dict:
     keep = ("base_model_path", "recipe", "data_path", "skip", "max_len", "template", "regenerate",
             "regen_max_new_tokens", "regen_temperature", "dtype", "shard_size", "seed")  # fmt: skip
     key = {k: getattr(cfg, k) for k in keep}
-    if cfg.regenerate and cfg.regen_batch_size > 1:  # absent: every turn regenerated (or none)
+    if cfg.regen_first_turns:  # absent: every turn regenerated (or none)
         key["regen_first_turns"] = True
     return key
 
@@ -144,19 +150,11 @@ def _write_shard(path: Path, samples: list[dict], store: torch.dtype) -> None:
     }
     if "taps" in samples[0]:
         tensors["taps"] = torch.cat([s["taps"] for s in samples]).to(store)
-    from safetensors.torch import save_file
-
-    tmp = path.with_suffix(".tmp")
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp))
-    os.replace(tmp, path)
+    write_safetensors(tensors, path)
 
 
 def _write_empty_shard(path: Path) -> None:
-    from safetensors.torch import save_file
-
-    tmp = path.with_suffix(".tmp")
-    save_file({"offsets": torch.zeros(1, dtype=torch.long)}, str(tmp))
-    os.replace(tmp, path)
+    write_safetensors({"offsets": torch.zeros(1, dtype=torch.long)}, path)
 
 
 def prepare(cfg: PrepareConfig, conversations: list | None = None, log=print) -> Path:
@@ -219,7 +217,7 @@ def prepare(cfg: PrepareConfig, conversations: list | None = None, log=print) ->
         if path.exists():
             bar.update(len(chunk))
             continue
-        if cfg.regenerate and cfg.regen_batch_size > 1:
+        if cfg.regen_first_turns:
             convs = [[] if isinstance(m, tuple) else m for m in chunk]  # tokenized samples are kept as they are
             regenerated = regenerate_first_turns(model, tokenizer, template, convs, cfg.max_len,
                                                  cfg.regen_max_new_tokens, cfg.regen_temperature,
@@ -232,7 +230,7 @@ def prepare(cfg: PrepareConfig, conversations: list | None = None, log=print) ->
                 if isinstance(messages, tuple):  # already tokenized: (input_ids [T], loss_mask [T])
                     ids, mask = messages[0][: cfg.max_len], messages[1][: cfg.max_len]
                 else:
-                    if cfg.regenerate and cfg.regen_batch_size > 1:
+                    if cfg.regen_first_turns:
                         messages, truncated = regenerated[c] or ([], False)
                     elif cfg.regenerate:
                         messages, truncated = regenerate_replies(
@@ -271,15 +269,11 @@ def prepare(cfg: PrepareConfig, conversations: list | None = None, log=print) ->
 
 def _save_base_weights(model, path: Path) -> None:
     """The frozen weights training needs: embedding, lm_head, final norm (as loaded, in the model dtype)."""
-    from safetensors.torch import save_file
-
     embed, lm_head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
     tensors = {"embed": embed, "norm": model.get_decoder().norm.weight}
     if lm_head.data_ptr() != embed.data_ptr():  # tied embeddings are stored once
         tensors["lm_head"] = lm_head
-    tmp = path.with_suffix(".tmp")
-    save_file({k: v.detach().cpu().contiguous().clone() for k, v in tensors.items()}, str(tmp))
-    os.replace(tmp, path)
+    write_safetensors({k: v.detach().cpu().clone() for k, v in tensors.items()}, path)
 
 
 # ---------------------------------------------------------------------------------------------------------

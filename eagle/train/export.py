@@ -81,18 +81,24 @@ def head_state(head: DraftHead, dtype: torch.dtype = torch.float16,
     return {k: v.contiguous().clone() for k, v in state.items()}
 
 
+def write_safetensors(tensors: dict[str, torch.Tensor], path: str | os.PathLike, metadata: dict | None = None) -> None:
+    """Write `path` atomically: to a temporary file beside it, then renamed over it (never half-written)."""
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata=metadata)
+    os.replace(tmp, path)
+
+
 def export_head(head: DraftHead, config: dict, folder: str | os.PathLike, dtype: str = "fp16",
                 embedding: torch.Tensor | None = None) -> Path:  # fmt: skip
     """Write `folder/config.json` and `folder/model.safetensors` (atomically replaced)."""
-    from safetensors.torch import save_file
-
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     torch_dtype = EXPORT_DTYPES[dtype]
     config = dict(config, torch_dtype=str(torch_dtype).removeprefix("torch."))
     state = head_state(head, torch_dtype, embedding)
-    tmp = folder / "model.safetensors.tmp"
-    save_file(state, str(tmp), metadata={"format": "pt"})
-    os.replace(tmp, folder / "model.safetensors")
+    write_safetensors(state, folder / "model.safetensors", metadata={"format": "pt"})
     (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return folder

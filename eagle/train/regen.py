@@ -45,7 +45,8 @@ def regenerate_replies(model, tokenizer, template, messages: list[dict], max_len
 
     Returns (messages, truncated): truncated = the last reply was cut by the length budget, so the end-of-turn
     token the template adds after it is not one the base produced."""
-    stops = sorted(stop_token_ids(tokenizer))
+    stop_set = stop_token_ids(tokenizer)
+    stops = sorted(stop_set)
     device = model.get_input_embeddings().weight.device
     out, truncated = [], False
     for m in messages:
@@ -60,7 +61,7 @@ def regenerate_replies(model, tokenizer, template, messages: list[dict], max_len
             ids.to(device), attention_mask=torch.ones_like(ids).to(device), max_new_tokens=budget,
             eos_token_id=stops or None, pad_token_id=stops[0] if stops else 0, **_sampling(temperature),
         )[0, ids.shape[1]:].tolist()  # fmt: skip
-        text, cut = _reply_text(tokenizer, gen, set(stops))
+        text, cut = _reply_text(tokenizer, gen, stop_set)
         if not text.strip():
             break
         out.append({"role": "assistant", "content": text})
@@ -90,7 +91,8 @@ def regenerate_first_turns(model, tokenizer, template, conversations: list[list[
 
     Returns, per conversation in the given order, (messages, truncated) as `regenerate_replies` does, or None when
     its opening does not leave 8 tokens for a reply within `max_len`, or the reply is empty."""
-    stops = sorted(stop_token_ids(tokenizer))
+    stop_set = stop_token_ids(tokenizer)
+    stops = sorted(stop_set)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (stops[0] if stops else 0)
     device = model.get_input_embeddings().weight.device
     openings = [opening(c) for c in conversations]
@@ -113,7 +115,7 @@ def regenerate_first_turns(model, tokenizer, template, conversations: list[list[
         )[:, width:].tolist()  # fmt: skip
         for r, i in enumerate(rows):
             room = max_len - len(prompts[i])
-            text, cut = _reply_text(tokenizer, gen[r][:room], set(stops))
+            text, cut = _reply_text(tokenizer, gen[r][:room], stop_set)
             if text.strip():
                 results[i] = (openings[i] + [{"role": "assistant", "content": text}], cut)
     return results
