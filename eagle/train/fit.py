@@ -165,6 +165,8 @@ def build_head(cfg: FitConfig, items: Items, config: dict, log) -> DraftHead:
     `cfg.init_from` (an exported folder or a training checkpoint; its draft vocabulary is kept)."""
     eagle3 = cfg.recipe == "eagle3"
     head = DraftHead(DraftConfig.from_dict(config, eagle3), own_embedding=False)
+    # reply-token frequencies of the training split (one pass over the data): the vocabulary and its coverage
+    counts = token_counts(items.ids_and_masks(items.train), config["vocab_size"]) if eagle3 else None
     if cfg.init_from:
         from eagle.model.checkpoint import read_checkpoint
 
@@ -178,7 +180,6 @@ def build_head(cfg: FitConfig, items: Items, config: dict, log) -> DraftHead:
         log(f"initialised from {cfg.init_from}")
     elif eagle3:
         base = items.sets[0].base_weights()
-        counts = token_counts(items.ids_and_masks(items.train), config["vocab_size"])
         d2t, t2d = draft_vocab(counts, config["draft_vocab_size"])
         head.d2t.copy_(d2t)
         head.t2d.copy_(t2d)
@@ -189,7 +190,6 @@ def build_head(cfg: FitConfig, items: Items, config: dict, log) -> DraftHead:
                 # (the full weight starts confidently wrong: ~15 nats of cross-entropy, and learns slower).
                 head.norm.weight.copy_(base["norm"].float() * 0.1)
     if eagle3:
-        counts = token_counts(items.ids_and_masks(items.train), config["vocab_size"])
         log(f"draft vocabulary: {config['draft_vocab_size']} of {config['vocab_size']} ids, covering "
             f"{coverage(counts, head.t2d):.2%} of the {int(counts.sum())} training reply tokens")  # fmt: skip
     return head
