@@ -29,6 +29,19 @@ END_OF_TURN_TOKENS = ("<|eot_id|>", "<|im_end|>", "<|end_of_text|>", "<|endoftex
 AUTO_TREE_SIZES = (8, 12, 16, 24, 32, 40, 48, 60)
 
 
+def stop_token_ids(tokenizer=None, *configs) -> set[int]:
+    """Token ids that end an assistant turn: the eos ids of the tokenizer and of `configs` (model config,
+    generation config; None entries skipped), plus the end-of-turn tokens of common templates in the vocabulary."""
+    ids: set[int] = set()
+    for source in (*configs, tokenizer):
+        eos = getattr(source, "eos_token_id", None)
+        ids.update(eos if isinstance(eos, (list, tuple)) else [] if eos is None else [eos])
+    if tokenizer is not None:
+        vocab = tokenizer.get_vocab()
+        ids.update(vocab[t] for t in END_OF_TURN_TOKENS if t in vocab)
+    return ids
+
+
 class EaModel(nn.Module):
     def __init__(
         self, base_model: nn.Module, ea_layer: DraftHead, tokenizer=None, total_token: int = 60, depth: int = 7,
@@ -90,14 +103,8 @@ class EaModel(nn.Module):
             raise ValueError(f"top_k={tree.top_k} exceeds the draft vocabulary ({self.ea_layer.config.draft_vocab_size})")
 
     def _default_stop_ids(self) -> set[int]:
-        ids: set[int] = set()
-        for source in (self.base_model.config, getattr(self.base_model, "generation_config", None), self.tokenizer):
-            eos = getattr(source, "eos_token_id", None)
-            ids.update(eos if isinstance(eos, (list, tuple)) else [] if eos is None else [eos])
-        if self.tokenizer is not None:
-            vocab = self.tokenizer.get_vocab()
-            ids.update(vocab[t] for t in END_OF_TURN_TOKENS if t in vocab)
-        return ids
+        generation_config = getattr(self.base_model, "generation_config", None)
+        return stop_token_ids(self.tokenizer, self.base_model.config, generation_config)
 
     # ---------------------------------------------------------------------------------------------------------
     def _check_input(self, input_ids) -> torch.Tensor:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from eagle.model.ea_model import END_OF_TURN_TOKENS
+from eagle.model.ea_model import stop_token_ids
 
 Message = dict  # {"role": "system" | "user" | "assistant", "content": str}
 
@@ -81,16 +81,6 @@ def make_template(tokenizer, spec: str | None = None):
         return FastChatTemplate(spec.split(":", 1)[1])
     with open(spec) as f:
         return HFTemplate(tokenizer, f.read())
-
-
-def stop_token_ids(tokenizer) -> set[int]:
-    """Token ids that end an assistant turn: eos plus the end-of-turn tokens of common templates."""
-    ids = set()
-    eos = tokenizer.eos_token_id
-    ids.update(eos if isinstance(eos, (list, tuple)) else [] if eos is None else [eos])
-    vocab = tokenizer.get_vocab()
-    ids.update(vocab[t] for t in END_OF_TURN_TOKENS if t in vocab)
-    return ids
 
 
 @dataclass

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from .masks import stop_token_ids
+from eagle.model.ea_model import stop_token_ids
 
 
 def _prompt_ids(tokenizer, template, messages: list[dict]) -> torch.Tensor:
