@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from . import few_rows
 from .kv_cache import TreeKVCache
 
 
@@ -48,6 +49,7 @@ class BaseModel:
         self.feature_layers = eagle3_feature_layers(self.num_layers) if eagle3 else None
         self.dtype = self.lm_head.weight.dtype
         self.input_device = model.get_input_embeddings().weight.device
+        few_rows.install(model)  # float32 CPU layers: faster decode-sized matmuls (see few_rows.py)
 
     def new_cache(self, capacity: int) -> TreeKVCache:
         return TreeKVCache(self.num_layers, capacity)
@@ -65,17 +67,18 @@ class BaseModel:
         kwargs = {}
         if features and self.feature_layers is not None:
             kwargs["output_hidden_states"] = list(self.feature_layers)
-        out = self.decoder(
-            input_ids=input_ids.to(self.input_device),
-            position_ids=position_ids.to(self.input_device),
-            attention_mask=mask,
-            past_key_values=cache,
-            use_cache=True,
-            **kwargs,
-        )
-        hidden = out.last_hidden_state[0]  # [q, H], post final norm
-        rows = hidden[-1:] if last_logits_only else hidden
-        logits = self.lm_head(rows.to(self.lm_head.weight.device))
+        with few_rows.few_row_kernels():
+            out = self.decoder(
+                input_ids=input_ids.to(self.input_device),
+                position_ids=position_ids.to(self.input_device),
+                attention_mask=mask,
+                past_key_values=cache,
+                use_cache=True,
+                **kwargs,
+            )
+            hidden = out.last_hidden_state[0]  # [q, H], post final norm
+            rows = hidden[-1:] if last_logits_only else hidden
+            logits = self.lm_head(rows.to(self.lm_head.weight.device))
         if not features:
             return logits, None
         if self.feature_layers is None:

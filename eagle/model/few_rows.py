@@ -1,0 +1,59 @@
+"""Faster float32 linear layers on CPU for the few-row forwards of decoding (1 to MAX_ROWS rows).
+
+A decode step or a tree verification streams every weight of the base once for a handful of rows, so its speed
+is memory bandwidth. MKL leaves much of it unused there: its GEMV (one row) runs on one thread, and its GEMM
+repacks the weight on every call. W @ x^T with 2..MAX_ROWS columns streams the weight once on all threads (one
+row is computed as two equal columns). On SmolLM2-135M, 2 cores: a 1-row forward 42 -> 27 ms, 4 rows 63 -> 38 ms.
+
+The results equal F.linear up to float32 rounding (a different summation order), the same kind of difference a
+batched tree verification already has against one-row decoding. The faster path runs only inside
+`few_row_kernels()` (BaseModel enters it), so the same model used directly (`generate`) behaves as loaded.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+
+import torch
+from torch import nn
+
+MAX_ROWS = 8  # measured faster than F.linear for 1..8 rows; GEMM catches up beyond
+_enabled = contextvars.ContextVar("few_row_kernels", default=False)
+
+
+class FewRowLinear(nn.Linear):
+    """nn.Linear whose forward takes the W @ x^T path for few rows inside `few_row_kernels()`."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // x.shape[-1]
+        if rows > MAX_ROWS or not _enabled.get():
+            return super().forward(x)
+        flat = x.reshape(rows, x.shape[-1])  # [rows, in]
+        if rows == 1:
+            flat = flat.repeat(2, 1)  # a 2-column GEMM runs on all threads, a GEMV on one
+        out = torch.mm(self.weight, flat.T)[:, :rows].T  # [rows, out]
+        if self.bias is not None:
+            out = out + self.bias
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+
+def install(model: nn.Module) -> int:
+    """Give the float32 CPU nn.Linear layers of `model` the few-row path; returns how many. Parameters, state
+    dict keys and behaviour outside `few_row_kernels()` stay the same."""
+    n = 0
+    for module in model.modules():
+        w = module.weight if type(module) is nn.Linear else None
+        if w is not None and w.device.type == "cpu" and w.dtype == torch.float32:
+            module.__class__ = FewRowLinear
+            n += 1
+    return n
+
+
+@contextlib.contextmanager
+def few_row_kernels():
+    token = _enabled.set(True)
+    try:
+        yield
+    finally:
+        _enabled.reset(token)
