@@ -27,11 +27,14 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--base-model-path", help="base model folder or hub id (default: the model type's)")
     p.add_argument("--ea-model-path", help="EAGLE head folder or hub id (default: the model type's)")
     p.add_argument("--total-token", type=int, default=None,
-                   help="draft tree size per round; -1 = pick by timing (default: 60 on GPU, 16 on CPU)")
-    p.add_argument("--depth", type=int, default=None, help="draft tree depth (default: 7 on GPU, 5 on CPU)")
-    p.add_argument("--top-k", type=int, default=None, help="draft tree branching (default: 10 on GPU, 4 on CPU)")
+                   help="draft tree size per round; -1 = pick by timing (default: 60 on GPU, 4 on CPU)")
+    p.add_argument("--depth", type=int, default=None, help="draft tree depth (default: 7 on GPU, 3 on CPU)")
+    p.add_argument("--top-k", type=int, default=None, help="draft tree branching (default: 10 on GPU, 2 on CPU)")
     p.add_argument("--dtype", default="auto", choices=DTYPES,
                    help="weights dtype; auto = float32 on CPU, float16 on GPU (bfloat16 for qwen2)")  # fmt: skip
+    p.add_argument("--draft-dtype", default="auto", choices=DTYPES,
+                   help="draft head dtype; auto = bfloat16 under a float32 base on a CPU with native bf16 "
+                   "(lossless: the base verifies every token), else the base's")  # fmt: skip
     p.add_argument("--device-map", default=None, help="transformers device_map (default: auto on GPU, cpu)")
     p.add_argument("--max-new-tokens", type=int, default=512, help="default reply length limit (default 512)")
     p.add_argument("--max-length", type=int, default=2048,
@@ -100,14 +103,14 @@ def load_engine(args):
     else:
         print(f"Loading model type '{mtype.name}'" + (f" ({mtype.note})" if mtype.note else ""))
     loaded = load(mtype, args.base_model_path, args.ea_model_path, args.total_token, args.depth, args.top_k,
-                  args.dtype, args.device_map, stages=3)  # fmt: skip
+                  args.dtype, args.device_map, stages=3, draft_dtype=args.draft_dtype)  # fmt: skip
     model = loaded.model
     tree = model.tree
     info = {
         "model_type": mtype.name, "base": args.base_model_path or mtype.base or "SmolLM2-135M-Instruct (embedded)",
         "head": args.ea_model_path or mtype.head, "draft": "EAGLE-3" if model.use_eagle3 else "EAGLE-1/2",
         "tree": f"total_token={tree.total_token}, depth={tree.depth}, top_k={tree.top_k}",
-        "dtype_device": f"{loaded.dtype} / {loaded.device}",
+        "dtype_device": f"{loaded.dtypes} / {loaded.device}",
     }  # fmt: skip
     system = mtype.system_prompt or default_system_prompt(mtype.template)
     name = f"{mtype.name}: {os.path.basename(str(info['base']).rstrip('/'))} + {info['draft']} head"

@@ -12,7 +12,10 @@ import pytest
 from test_app_helpers import ROOT, tiny_model
 
 from app.cli import main, parse_auth, parser
-from eagle.chat.model_types import MODEL_TYPES, ModelLoadError, check_head_folder, model_type, pick_dtype, resolve
+import eagle.chat.model_types as model_types
+from eagle.chat.model_types import (
+    MODEL_TYPES, ModelLoadError, check_head_folder, model_type, pick_draft_dtype, pick_dtype, resolve,
+)  # fmt: skip
 
 
 def test_model_types_and_reference_spellings():
@@ -30,6 +33,20 @@ def test_model_types_and_reference_spellings():
         model_type("gpt5")
 
 
+@pytest.mark.parametrize("native_bf16", [True, False])
+def test_draft_dtype_auto_is_bfloat16_only_under_float32_on_a_bf16_cpu(monkeypatch, native_bf16):
+    import torch
+
+    monkeypatch.setattr(model_types, "cpu_has_bf16", lambda: native_bf16)
+    expect = torch.bfloat16 if native_bf16 else None  # None: the base's dtype
+    assert pick_draft_dtype("auto", torch.float32, cuda=False) is expect
+    assert pick_draft_dtype("auto", torch.bfloat16, cuda=False) is None
+    assert pick_draft_dtype("auto", torch.float32, cuda=True) is None
+    assert pick_draft_dtype("float32", torch.float32, cuda=False) is torch.float32
+    with pytest.raises(ModelLoadError, match="unknown draft dtype 'fp8'; choose one of auto, float32"):
+        pick_draft_dtype("fp8", torch.float32, cuda=False)
+
+
 def test_dtypes_and_defaults():
     import torch
 
@@ -37,10 +54,11 @@ def test_dtypes_and_defaults():
     assert pick_dtype("auto", model_type("vicuna"), cuda=True) is torch.float16
     assert pick_dtype("auto", model_type("vicuna"), cuda=False) is torch.float32
     args = parser().parse_args([])
+    assert args.draft_dtype == "auto"
     assert args.model_type == "smollm2" and (args.total_token, args.depth, args.top_k) == (None, None, None)
     # no tree option: the model type's tree for the device (the reference's on GPU, a small one on CPU)
     assert model_type("smollm2").default_tree(cuda=True) == (60, 7, 10)
-    assert model_type("smollm2").default_tree(cuda=False) == (16, 5, 4)
+    assert model_type("smollm2").default_tree(cuda=False) == (4, 3, 2)
     assert args.host == "127.0.0.1" and not args.share
     assert parse_auth("me:pa:ss") == ("me", "pa:ss") and parse_auth(None) is None
     with pytest.raises(SystemExit, match="USER:PASSWORD"):

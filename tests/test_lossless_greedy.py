@@ -25,9 +25,9 @@ def base_folder(request, tmp_path_factory):
     return folder, base
 
 
-def load(folder, base, eagle3):
+def load(folder, base, eagle3, draft_dtype=None):
     draft = random_draft(base, str(folder / f"draft{int(eagle3)}"), eagle3=eagle3, draft_vocab=12 if eagle3 else None)
-    return EaModel.from_pretrained(str(folder / "base"), draft, dtype=torch.float32)
+    return EaModel.from_pretrained(str(folder / "base"), draft, dtype=torch.float32, draft_dtype=draft_dtype)
 
 
 @pytest.mark.parametrize("eagle3", [False, True], ids=["eagle12", "eagle3"])
@@ -35,7 +35,20 @@ def test_greedy_eagle_equals_hf_generate_and_accepts_drafts(base_folder, eagle3)
     folder, base = base_folder
     if eagle3 and base.config.model_type == "mixtral":
         pytest.skip("EAGLE-3 heads exist for Llama and Qwen targets")
-    model = load(folder, base, eagle3)
+    assert_greedy_equals_generate(load(folder, base, eagle3), base)
+
+
+@pytest.mark.parametrize("eagle3", [False, True], ids=["eagle12", "eagle3"])
+def test_bfloat16_head_under_float32_base_stays_lossless(base_folder, eagle3):
+    folder, base = base_folder
+    if base.config.model_type != "llama":
+        pytest.skip("one architecture is enough: the head's dtype does not touch the base")
+    model = load(folder, base, eagle3, draft_dtype="bfloat16")
+    assert model.ea_layer.fc.weight.dtype == torch.bfloat16 and model.base.dtype == torch.float32
+    assert_greedy_equals_generate(model, base)
+
+
+def assert_greedy_equals_generate(model, base):
     for name, tree in TREES.items():
         new_tokens = rounds = 0
         for prompt in PROMPTS:

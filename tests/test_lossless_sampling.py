@@ -15,12 +15,21 @@ P_VALUE = 1e-3  # fixed seeds make the test deterministic; a correct sampler pas
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory):
+def checkpoint(tmp_path_factory):
     base = tiny_base("llama", vocab=VOCAB, seed=5)
     with torch.no_grad():  # flatter logits: many outcomes have visible probability
         base.get_output_embeddings().weight.mul_(0.3)
-    config, state = read_checkpoint(random_draft(base, str(tmp_path_factory.mktemp("d")), seed=2))
-    return EaModel(base, load_head(base, config, state), None, total_token=16, depth=3, top_k=4)
+    return base, read_checkpoint(random_draft(base, str(tmp_path_factory.mktemp("d")), seed=2))
+
+
+def make_model(checkpoint, head_dtype=None):
+    base, (config, state) = checkpoint
+    return EaModel(base, load_head(base, config, state, dtype=head_dtype), None, total_token=16, depth=3, top_k=4)
+
+
+@pytest.fixture(scope="module")
+def model(checkpoint):
+    return make_model(checkpoint)
 
 
 def exact_pair_distribution(model, params: SamplingParams) -> torch.Tensor:
@@ -67,6 +76,16 @@ def chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:
     ids=["T1", "T0.8-top_p0.9-top_k5"],
 )
 def test_sampled_tokens_follow_the_base_distribution(model, params):
+    assert_follows_base_distribution(model, params)
+
+
+def test_sampling_with_a_bfloat16_head_under_a_float32_base_follows_the_base_distribution(checkpoint):
+    model = make_model(checkpoint, torch.bfloat16)
+    assert model.ea_layer.fc.weight.dtype == torch.bfloat16 and model.base.dtype == torch.float32
+    assert_follows_base_distribution(model, SamplingParams(1.0))
+
+
+def assert_follows_base_distribution(model, params):
     probs = exact_pair_distribution(model, params)
     counts = sample_pairs(model, params, n=1500, seed=0)
     n = counts.sum()

@@ -34,7 +34,7 @@ class ModelType:
     # Default EAGLE-2 tree (total_token, depth, top_k): the reference's 60/7/10 suits GPUs, where verifying 60
     # tokens costs about one token; on a CPU the pass grows with the tree, so the CPU default is small.
     tree: tuple[int, int, int] = (60, 7, 10)
-    cpu_tree: tuple[int, int, int] = (16, 5, 4)
+    cpu_tree: tuple[int, int, int] = (4, 3, 2)  # CPU verify cost grows per row: small trees win (BENCHMARKS.md)
 
     def default_tree(self, cuda: bool) -> tuple[int, int, int]:
         return self.tree if cuda else self.cpu_tree
@@ -83,6 +83,28 @@ def pick_dtype(dtype: str, mtype: ModelType, cuda: bool):
     if dtype not in DTYPES:
         raise ModelLoadError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
     return getattr(torch, dtype)
+
+
+def cpu_has_bf16() -> bool:
+    """Whether this CPU multiplies bfloat16 natively (AVX512-BF16 or AMX): where it does not, bf16 is slower."""
+    import torch
+
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def pick_draft_dtype(draft_dtype: str, base_dtype, cuda: bool):
+    """The draft head's dtype; None = the base's. auto = bfloat16 under a float32 base on a CPU with native
+    bf16 (about half the draft time, and lossless: the base verifies every token), else the base's."""
+    import torch
+
+    if draft_dtype == "auto":
+        return torch.bfloat16 if not cuda and base_dtype is torch.float32 and cpu_has_bf16() else None
+    if draft_dtype not in DTYPES:
+        raise ModelLoadError(f"unknown draft dtype {draft_dtype!r}; choose one of {', '.join(DTYPES)}")
+    return getattr(torch, draft_dtype)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -168,19 +190,26 @@ class LoadedModel:
     dtype: str
     device: str
     seconds: float
+    draft_dtype: str = ""  # the head's dtype when it differs from the base's
+
+
+    @property
+    def dtypes(self) -> str:
+        """"float32", or "float32 (head bfloat16)" when the head runs in another dtype."""
+        return f"{self.dtype} (head {self.draft_dtype})" if self.draft_dtype else self.dtype
 
     def describe(self) -> dict:
         """The model in a benchmark report."""
         return {
             "type": self.mtype.name, "base": self.base_name, "head": self.head_name, "dtype": self.dtype,
-            "eagle3": bool(self.model.use_eagle3), "template": self.mtype.template,
+            "draft_dtype": self.draft_dtype or self.dtype, "eagle3": bool(self.model.use_eagle3), "template": self.mtype.template,
         }  # fmt: skip
 
 
 def load(
     mtype: ModelType, base_path: str | None = None, head_path: str | None = None, total_token: int | None = None,
     depth: int | None = None, top_k: int | None = None, dtype: str = "auto", device_map: str | None = None,
-    log=print, stages: int = 2,
+    log=print, stages: int = 2, draft_dtype: str = "auto",
 ) -> LoadedModel:  # fmt: skip
     """Resolve and load base + head, reporting stages through `log` ("[1/stages] ...", "[2/stages] ...";
     a caller with more stages of its own, like the app's warm-up, passes their total). Tree options left None
@@ -196,6 +225,8 @@ def load(
     cuda = torch.cuda.is_available()
     torch_dtype = pick_dtype(dtype, mtype, cuda)
     dtype_name = str(torch_dtype).replace("torch.", "")
+    head_dtype = pick_draft_dtype(draft_dtype, torch_dtype, cuda)
+    head_dtype_name = str(head_dtype).replace("torch.", "") if head_dtype not in (None, torch_dtype) else ""
     if device_map is None:
         device_map = "auto" if cuda else None
     elif device_map == "cpu":
@@ -219,12 +250,15 @@ def load(
     log(f"      base: {base}\n      head: {head}")
 
     where = "GPU (device_map=auto)" if device_map == "auto" else f"device_map={device_map}" if device_map else "CPU"
-    log(f"[2/{stages}] loading weights: {dtype_name} on {where} ...")
+    head_note = f" (head {head_dtype_name})" if head_dtype_name else ""
+    log(f"[2/{stages}] loading weights: {dtype_name}{head_note} on {where} ...")
     kwargs = {"dtype": torch_dtype, "low_cpu_mem_usage": True}
     if device_map:
         kwargs["device_map"] = device_map
     try:
-        model = EaModel.from_pretrained(base, head, total_token=total_token, depth=depth, top_k=top_k, **kwargs)
+        model = EaModel.from_pretrained(
+            base, head, total_token=total_token, depth=depth, top_k=top_k, draft_dtype=head_dtype, **kwargs
+        )
     except (OSError, ValueError, KeyError, RuntimeError) as e:
         what = f"base {base_name!r}, head {head_name!r}"
         raise ModelLoadError(f"loading failed ({what}): {type(e).__name__}: {e}") from None
@@ -233,4 +267,6 @@ def load(
     kind = "EAGLE-3" if model.use_eagle3 else "EAGLE-1/2"
     log(f"      loaded in {seconds:.1f} s ({kind} head, tree: total_token={model.tree.total_token}, "
         f"depth={model.tree.depth}, top_k={model.tree.top_k})")  # fmt: skip
-    return LoadedModel(model, mtype, base, head, str(base_name), str(head_name), dtype_name, device, seconds)
+    return LoadedModel(
+        model, mtype, base, head, str(base_name), str(head_name), dtype_name, device, seconds, head_dtype_name
+    )

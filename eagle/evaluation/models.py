@@ -20,10 +20,12 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--base-model-path", default=None, help="base model folder or hub id (overrides the type's)")
     g.add_argument("--ea-model-path", default=None, help="EAGLE head folder or hub id (overrides the type's)")
     g.add_argument("--total-token", type=int, default=None,
-                   help="EAGLE-2 tree: nodes verified per round (default: 60 on GPU, 16 on CPU; -1 = by timing)")
-    g.add_argument("--depth", type=int, default=None, help="EAGLE-2 tree: draft depth (default: 7 on GPU, 5 on CPU)")
-    g.add_argument("--top-k", type=int, default=None, help="EAGLE-2 tree: branching (default: 10 on GPU, 4 on CPU)")
+                   help="EAGLE-2 tree: nodes verified per round (default: 60 on GPU, 4 on CPU; -1 = by timing)")
+    g.add_argument("--depth", type=int, default=None, help="EAGLE-2 tree: draft depth (default: 7 on GPU, 3 on CPU)")
+    g.add_argument("--top-k", type=int, default=None, help="EAGLE-2 tree: branching (default: 10 on GPU, 2 on CPU)")
     g.add_argument("--dtype", choices=DTYPES, default="auto", help="auto: float32 on CPU, the type's dtype on GPU")
+    g.add_argument("--draft-dtype", choices=DTYPES, default="auto",
+                   help="the head's dtype; auto: bfloat16 under a float32 base on a CPU with native bf16, else the base's")
     g.add_argument("--device-map", default=None, help="transformers device_map (default: 'auto' on GPU, CPU otherwise)")
 
 
@@ -40,7 +42,7 @@ def pick_type(args) -> ModelType:
 def load_from_args(args, log=print) -> LoadedModel:
     """Load the EaModel the options describe (base, head, tree defaults, dtype, device map)."""
     return load(pick_type(args), args.base_model_path, args.ea_model_path, args.total_token, args.depth,
-                args.top_k, args.dtype, args.device_map, log=log)  # fmt: skip
+                args.top_k, args.dtype, args.device_map, log=log, draft_dtype=args.draft_dtype)  # fmt: skip
 
 
 def device_name(device: str) -> str:

@@ -266,7 +266,7 @@ def main(argv: list[str] | None = None) -> dict:
     prompts = build_prompts(questions, loaded.model.tokenizer, loaded.mtype.template, loaded.mtype.system_prompt)
     result = profile(loaded.model, prompts, args)
     result.update(device=device_name(loaded.device), model=loaded.describe())
-    print(f"{result['device']}; base {result['model']['base']}, head {result['model']['head']} ({loaded.dtype})")
+    print(f"{result['device']}; base {result['model']['base']}, head {result['model']['head']} ({loaded.dtypes})")
     print(table(result))
     if args.json:
         with open(args.json, "w") as f:

@@ -89,13 +89,13 @@ def _fmt(x, digits=2, suffix="") -> str:
 
 def markdown(result: dict) -> str:
     """A self-contained markdown report: settings, the overall table, the per-category table."""
-    s = result["settings"]
+    s, m = result["settings"], result["model"]
+    dtypes = m["dtype"] if m.get("draft_dtype", m["dtype"]) == m["dtype"] else f"{m['dtype']}, head {m['draft_dtype']}"
     lines = [f"**{result['label']}**", ""] if result.get("label") else []
     lines += [
         f"**Machine:** {result['device']}  ",
         f"**Date:** {result['date']}  ",
-        f"**Model:** base `{result['model']['base']}`, head `{result['model']['head']}` "
-        f"({'EAGLE-3' if result['model'].get('eagle3') else 'EAGLE-1/2'} head, {result['model']['dtype']})  ",
+        f"**Model:** base `{m['base']}`, head `{m['head']}` ({'EAGLE-3' if m.get('eagle3') else 'EAGLE-1/2'} head, {dtypes})  ",
         f"**Questions:** {result['questions']} from {s['questions_from']} (first turns), "
         f"max_new_tokens={s['max_new_tokens']}, temperature={s['temperature']}, "
         f"EAGLE-2 tree total_token={s['total_token']} depth={s['depth']} top_k={s['top_k']}  ",

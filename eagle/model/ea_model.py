@@ -26,7 +26,7 @@ from .verify import SamplingParams, TokenPicker
 
 # End-of-turn tokens of common chat templates; those present in the vocabulary stop generation.
 END_OF_TURN_TOKENS = ("<|eot_id|>", "<|im_end|>", "<|end_of_text|>", "<|endoftext|>", "</s>", "<|end|>", "<|eom_id|>")
-AUTO_TREE_SIZES = (8, 12, 16, 24, 32, 40, 48, 60)
+AUTO_TREE_SIZES = (4, 8, 12, 16, 24, 32, 40, 48, 60)
 
 
 def stop_token_ids(tokenizer=None, *configs) -> set[int]:
@@ -65,13 +65,15 @@ class EaModel(nn.Module):
     def from_pretrained(
         cls, base_model_path: str | None = None, ea_model_path: str | None = None, total_token: int = 60,
         depth: int = 7, top_k: int = 10, use_eagle3: bool | None = None, threshold: float = 1.0,
-        tree_choices: list[list[int]] | None = None, **kwargs,
+        tree_choices: list[list[int]] | None = None, draft_dtype: torch.dtype | str | None = None, **kwargs,
     ) -> "EaModel":  # fmt: skip
         """Load the base through transformers (`kwargs` go to its `from_pretrained`: torch_dtype/dtype,
         device_map, low_cpu_mem_usage, gguf_file, ...) and the draft head from `ea_model_path` (folder or hub id).
 
         `use_eagle3` forces the draft format (None = detect from the keys). `threshold` is accepted for
-        compatibility and unused, as in the reference. `tree_choices` selects an EAGLE-1 static tree."""
+        compatibility and unused, as in the reference. `tree_choices` selects an EAGLE-1 static tree.
+        `draft_dtype` runs the head in another dtype than the base (None = the base's): the head only proposes
+        tokens and the base verifies them, so a bfloat16 head under a float32 base stays lossless."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         if base_model_path is None or ea_model_path is None:
@@ -85,7 +87,7 @@ class EaModel(nn.Module):
         tokenizer = AutoTokenizer.from_pretrained(base_model_path, **tok_kwargs)
         base = AutoModelForCausalLM.from_pretrained(base_model_path, **kwargs).eval()
         config, state = read_checkpoint(ea_model_path)
-        head = load_head(base, config, state, use_eagle3)
+        head = load_head(base, config, state, use_eagle3, draft_dtype)
         model = cls(base, head, tokenizer, max(total_token, 2), depth, top_k, tree_choices)
         if total_token == -1:
             model.tree = TreeSpec(model.pick_total_token(), depth, top_k, model.tree.choices)
@@ -221,11 +223,14 @@ class EaModel(nn.Module):
         return best
 
 
-def load_head(base: nn.Module, config: dict, state: dict, use_eagle3: bool | None = None) -> DraftHead:
-    """Build the head for `base`, on the device of its lm_head, in its dtype."""
+def load_head(
+    base: nn.Module, config: dict, state: dict, use_eagle3: bool | None = None, dtype: torch.dtype | str | None = None
+) -> DraftHead:
+    """Build the head for `base`, on the device of its lm_head, in `dtype` (None = the lm_head's dtype)."""
     text = base.config.get_text_config()
     lm_head = base.get_output_embeddings()
     head = build_draft_head(
         config, state, base.get_input_embeddings(), text.hidden_size, lm_head.weight.shape[0], use_eagle3
     )
-    return head.to(device=lm_head.weight.device, dtype=lm_head.weight.dtype).eval()
+    dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    return head.to(device=lm_head.weight.device, dtype=dtype or lm_head.weight.dtype).eval()
