@@ -68,6 +68,22 @@ def test_dynamic_tree_stays_closed_when_children_tie_with_parents(tmp_path):
     assert max(tree.depth) == 8  # the certain chain runs the full depth
 
 
+def test_dynamic_tree_drafts_no_level_it_cannot_keep(tmp_path, monkeypatch):
+    """n nodes keep depths <= n - 1 (a kept node brings its ancestors): deeper levels are not drafted."""
+    model = make_model(tmp_path, eagle3=True)
+    drafter = primed_drafter(model)
+    levels = []
+    expand = drafter._expand
+    monkeypatch.setattr(drafter, "_expand", lambda *a: levels.append(a[3]) or expand(*a))
+    tree = drafter.dynamic_tree(3, 4, 6, 2)
+    assert levels == [1, 2]  # children of depth 2 and 3
+    assert (tree.tokens, tree.parents) == (lambda t: (t.tokens, t.parents))(drafter.dynamic_tree(3, 4, 2, 2))
+    with torch.no_grad():  # a certain draft: the chain reaches the deepest depth 4 nodes can hold
+        model.ea_layer.lm_head.weight.zero_()
+        model.ea_layer.lm_head.weight[5].fill_(1e4)
+    assert max(primed_drafter(model).dynamic_tree(3, 4, 6, 2).depth) == 3
+
+
 def test_static_tree_has_the_reference_shape(tmp_path):
     model = make_model(tmp_path)
     tree = primed_drafter(model).static_tree(3, MC_SIM_7B_63)

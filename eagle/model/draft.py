@@ -62,8 +62,11 @@ class Drafter:
         depth + 1 levels), then keep the total_token - 1 best nodes of all candidates seen.
 
         Ancestor closure: a child's score is its parent's plus a log-prob <= 0, so it never beats its parent; a
-        stable sort breaks ties in favour of the lower pool index, which is the parent's (pool is level-ordered)."""
+        stable sort breaks ties in favour of the lower pool index, which is the parent's (pool is level-ordered).
+        So a kept node at depth d brings its d - 1 ancestors: levels deeper than total_token - 1 are never kept
+        and are not drafted."""
         k = top_k
+        depth = min(depth, total_token - 2)  # expansion `level` drafts nodes of depth level + 1
         log_probs = self._log_probs(self.last)[0]  # [Vd]
         scores, ids = log_probs.topk(k)  # [k]
         tokens = self.head.to_target_ids(ids)
