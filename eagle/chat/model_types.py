@@ -192,7 +192,6 @@ class LoadedModel:
     seconds: float
     draft_dtype: str = ""  # the head's dtype when it differs from the base's
 
-
     @property
     def dtypes(self) -> str:
         """"float32", or "float32 (head bfloat16)" when the head runs in another dtype."""
@@ -202,7 +201,8 @@ class LoadedModel:
         """The model in a benchmark report."""
         return {
             "type": self.mtype.name, "base": self.base_name, "head": self.head_name, "dtype": self.dtype,
-            "draft_dtype": self.draft_dtype or self.dtype, "eagle3": bool(self.model.use_eagle3), "template": self.mtype.template,
+            "draft_dtype": self.draft_dtype or self.dtype, "eagle3": bool(self.model.use_eagle3),
+            "template": self.mtype.template,
         }  # fmt: skip
 
 

@@ -95,7 +95,8 @@ def markdown(result: dict) -> str:
     lines += [
         f"**Machine:** {result['device']}  ",
         f"**Date:** {result['date']}  ",
-        f"**Model:** base `{m['base']}`, head `{m['head']}` ({'EAGLE-3' if m.get('eagle3') else 'EAGLE-1/2'} head, {dtypes})  ",
+        f"**Model:** base `{m['base']}`, head `{m['head']}` "
+        f"({'EAGLE-3' if m.get('eagle3') else 'EAGLE-1/2'} head, {dtypes})  ",
         f"**Questions:** {result['questions']} from {s['questions_from']} (first turns), "
         f"max_new_tokens={s['max_new_tokens']}, temperature={s['temperature']}, "
         f"EAGLE-2 tree total_token={s['total_token']} depth={s['depth']} top_k={s['top_k']}  ",
