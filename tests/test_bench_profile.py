@@ -6,7 +6,7 @@ import pytest
 import torch
 from tiny import random_draft, save_base, tiny_base
 
-from eagle.evaluation import profile
+from eagle.evaluation import pass_cost, profile
 from eagle.model import generate
 from eagle.model.base import BaseModel
 from eagle.model.draft import Drafter
@@ -46,3 +46,15 @@ def test_profile_times_every_phase_and_restores_the_engine(folder, capsys, stati
     out = capsys.readouterr().out
     assert "| base verify forward: decoder over the tree |" in out and "KV compaction" in out
     assert json.loads((folder / "p.json").read_text())["rounds"] == 12
+
+
+def test_pass_cost_times_each_row_count_with_and_without_the_few_row_kernels(folder, capsys):
+    argv = ["--base-model-path", str(folder / "base"), "--ea-model-path", str(folder / "head"), "--rows", "4,1,2",
+            "--context", "8", "--repeats", "2", "--json", str(folder / "c.json")]  # fmt: skip
+    result = pass_cost.main(argv)
+    assert result["rows"] == [1, 2, 4]
+    for timings in (result["engine_ms"], result["plain_linear_ms"]):  # float32 on CPU: both measured
+        assert set(timings) == {1, 2, 4} and all(ms > 0 for ms in timings.values())
+    assert json.loads((folder / "c.json").read_text())["rows"] == [1, 2, 4]
+    assert "| 4 |" in capsys.readouterr().out
+

@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 from eagle.model import few_rows
-from eagle.model.few_rows import MAX_ROWS, FewRowLinear, few_row_kernels, install
+from eagle.model.few_rows import MAX_ROWS, FewRowLinear, few_row_kernels, install, uninstall
 
 
 @pytest.mark.parametrize("bias", [False, True])
@@ -45,3 +45,4 @@ def test_install_touches_only_float32_cpu_linears():
     assert install(model) == 1
     assert [type(m) for m in model] == [FewRowLinear, nn.Linear, nn.Embedding]
     assert list(model.state_dict()) == keys
+    assert uninstall(model) == 1 and type(model[0]) is nn.Linear

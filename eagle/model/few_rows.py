@@ -52,6 +52,16 @@ def install(model: nn.Module) -> int:
     return n
 
 
+def uninstall(model: nn.Module) -> int:
+    """Undo `install` (to measure what the path gives); returns how many layers went back to nn.Linear."""
+    n = 0
+    for module in model.modules():
+        if type(module) is FewRowLinear:
+            module.__class__ = nn.Linear
+            n += 1
+    return n
+
+
 @contextlib.contextmanager
 def few_row_kernels():
     token = _enabled.set(True)

@@ -1,0 +1,109 @@
+"""What a base forward over n new tokens costs: the verify pass of an n-node tree, in one-token decode steps.
+
+    python -m eagle.evaluation.pass_cost --threads 2                    # the embedded default model
+    python -m eagle.evaluation.pass_cost --rows 1,2,4,8,16,32,60 --model-type llama3.1 --dtype float16
+
+For each n: the median wall time of the engine's base forward over n tokens after a --context-token prefix
+(features included, as in a verify pass), and on CPU in float32 the same without the few-row kernels
+(eagle/model/few_rows.py). The ratio to the 1-row time is what verifying an n-node tree costs in decode steps:
+with a head that accepts tau tokens per forward, a tree pays off when tau exceeds it (plus the draft's share).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import torch
+
+from eagle.chat.model_types import ModelLoadError
+from eagle.model import few_rows
+
+from .models import add_model_args, device_name, load_from_args
+
+
+def time_rows(base, rows: list[int], context: int, repeats: int) -> dict[int, float]:
+    """Median ms of base.forward over n new tokens after `context` cached tokens, for each n in rows."""
+    cuda = torch.cuda.is_available()
+    cache = base.new_cache(context + max(rows))
+    ids = torch.randint(0, base.vocab_size, (1, context + max(rows)))
+    with torch.inference_mode():
+        base.forward(ids[:, :context], torch.arange(context)[None], cache, features=False, last_logits_only=True)
+        out = {}
+        for n in rows:
+            times = []
+            for _ in range(repeats + 1):  # the first call warms up
+                if cuda:
+                    torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                base.forward(ids[:, context : context + n], torch.arange(context, context + n)[None], cache)
+                if cuda:
+                    torch.cuda.synchronize()
+                times.append(time.perf_counter() - t0)
+                cache.crop_to(context)
+            out[n] = 1e3 * sorted(times[1:])[len(times[1:]) // 2]
+    return out
+
+
+def measure(model, rows: list[int], context: int, repeats: int) -> dict:
+    engine = time_rows(model.base, rows, context, repeats)
+    result = {"rows": rows, "engine_ms": engine, "plain_linear_ms": None}
+    if few_rows.uninstall(model.base_model):  # float32 CPU layers: measure plain nn.Linear too
+        try:
+            result["plain_linear_ms"] = time_rows(model.base, rows, context, repeats)
+        finally:
+            few_rows.install(model.base_model)
+    return result
+
+
+def table(result: dict) -> str:
+    engine, plain = result["engine_ms"], result["plain_linear_ms"]
+    step = engine[1] if 1 in engine else None
+    head = "| rows | engine ms | in 1-row steps |" + (" plain nn.Linear ms | engine speedup |" if plain else "")
+    lines = [head, "|---:|---:|---:|" + ("---:|---:|" if plain else "")]
+    for n in result["rows"]:
+        line = f"| {n} | {engine[n]:.1f} | {engine[n] / step:.2f} |" if step else f"| {n} | {engine[n]:.1f} | – |"
+        if plain:
+            line += f" {plain[n]:.1f} | {plain[n] / engine[n]:.2f}x |"
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m eagle.evaluation.pass_cost", description=__doc__.split("\n\n")[0])
+    add_model_args(p)
+    g = p.add_argument_group("pass cost")
+    g.add_argument("--rows", default="1,2,3,4,6,8,16", help="comma list of new-token counts (default 1,2,3,4,6,8,16)")
+    g.add_argument("--context", type=int, default=256, help="tokens already in the cache (default 256)")
+    g.add_argument("--repeats", type=int, default=15, help="timed calls per row count; the median is kept")
+    g.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    g.add_argument("--json", default=None, help="also write the numbers here")
+    return p
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    try:
+        rows = sorted({int(r) for r in args.rows.split(",")})
+        if rows[0] < 1 or args.context < 1 or args.repeats < 1:
+            raise ValueError("--rows, --context and --repeats must be >= 1")
+        loaded = load_from_args(args, lambda msg: print(msg, file=sys.stderr, flush=True))
+    except (ModelLoadError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+    result = measure(loaded.model, rows, args.context, args.repeats)
+    result.update(device=device_name(loaded.device), model=loaded.describe(), context=args.context)
+    print(f"{result['device']}; base {result['model']['base']} ({loaded.dtype}), {args.context} cached tokens")
+    print(table(result))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    return result
+
+
+if __name__ == "__main__":
+    main()
