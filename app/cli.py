@@ -29,7 +29,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--total-token", type=int, default=None,
                    help="draft tree size per round; -1 = pick by timing (default: 60 on GPU, 4 on CPU)")
     p.add_argument("--depth", type=int, default=None, help="draft tree depth (default: 7 on GPU, 3 on CPU)")
-    p.add_argument("--top-k", type=int, default=None, help="draft tree branching (default: 10 on GPU, 2 on CPU)")
+    p.add_argument("--top-k", type=int, default=None, help="draft tree branching (default: 10 on GPU, 3 on CPU)")
     p.add_argument("--dtype", default="auto", choices=DTYPES,
                    help="weights dtype; auto = float32 on CPU, float16 on GPU (bfloat16 for qwen2)")  # fmt: skip
     p.add_argument("--draft-dtype", default="auto", choices=DTYPES,

@@ -58,7 +58,7 @@ def test_dtypes_and_defaults():
     assert args.model_type == "smollm2" and (args.total_token, args.depth, args.top_k) == (None, None, None)
     # no tree option: the model type's tree for the device (the reference's on GPU, a small one on CPU)
     assert model_type("smollm2").default_tree(cuda=True) == (60, 7, 10)
-    assert model_type("smollm2").default_tree(cuda=False) == (4, 3, 2)
+    assert model_type("smollm2").default_tree(cuda=False) == (4, 3, 3)
     assert args.host == "127.0.0.1" and not args.share
     assert parse_auth("me:pa:ss") == ("me", "pa:ss") and parse_auth(None) is None
     with pytest.raises(SystemExit, match="USER:PASSWORD"):

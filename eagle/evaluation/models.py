@@ -22,7 +22,7 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--total-token", type=int, default=None,
                    help="EAGLE-2 tree: nodes verified per round (default: 60 on GPU, 4 on CPU; -1 = by timing)")
     g.add_argument("--depth", type=int, default=None, help="EAGLE-2 tree: draft depth (default: 7 on GPU, 3 on CPU)")
-    g.add_argument("--top-k", type=int, default=None, help="EAGLE-2 tree: branching (default: 10 on GPU, 2 on CPU)")
+    g.add_argument("--top-k", type=int, default=None, help="EAGLE-2 tree: branching (default: 10 on GPU, 3 on CPU)")
     g.add_argument("--dtype", choices=DTYPES, default="auto", help="auto: float32 on CPU, the type's dtype on GPU")
     g.add_argument("--draft-dtype", choices=DTYPES, default="auto",
                    help="the head's dtype; auto: bfloat16 under a float32 base on a CPU with native bf16, "
