@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 
 import torch
 
@@ -24,35 +23,16 @@ from eagle.model import few_rows
 from .models import add_model_args, device_name, load_from_args
 
 
-def time_rows(base, rows: list[int], context: int, repeats: int) -> dict[int, float]:
-    """Median ms of base.forward over n new tokens after `context` cached tokens, for each n in rows."""
-    cuda = torch.cuda.is_available()
-    cache = base.new_cache(context + max(rows))
-    ids = torch.randint(0, base.vocab_size, (1, context + max(rows)))
-    with torch.inference_mode():
-        base.forward(ids[:, :context], torch.arange(context)[None], cache, features=False, last_logits_only=True)
-        out = {}
-        for n in rows:
-            times = []
-            for _ in range(repeats + 1):  # the first call warms up
-                if cuda:
-                    torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                base.forward(ids[:, context : context + n], torch.arange(context, context + n)[None], cache)
-                if cuda:
-                    torch.cuda.synchronize()
-                times.append(time.perf_counter() - t0)
-                cache.crop_to(context)
-            out[n] = 1e3 * sorted(times[1:])[len(times[1:]) // 2]
-    return out
-
-
 def measure(model, rows: list[int], context: int, repeats: int) -> dict:
-    engine = time_rows(model.base, rows, context, repeats)
-    result = {"rows": rows, "engine_ms": engine, "plain_linear_ms": None}
-    if few_rows.uninstall(model.base_model):  # float32 CPU layers: measure plain nn.Linear too
+    """Median ms per row count, with the engine as loaded and (float32 CPU layers) with plain nn.Linear."""
+
+    def ms():
+        return {n: 1e3 * s for n, s in model.base.pass_seconds(rows, context, repeats).items()}
+
+    result = {"rows": rows, "engine_ms": ms(), "plain_linear_ms": None}
+    if few_rows.uninstall(model.base_model):
         try:
-            result["plain_linear_ms"] = time_rows(model.base, rows, context, repeats)
+            result["plain_linear_ms"] = ms()
         finally:
             few_rows.install(model.base_model)
     return result

@@ -11,7 +11,6 @@
 
 from __future__ import annotations
 
-import time
 from typing import Iterator
 
 import torch
@@ -190,7 +189,6 @@ class EaModel(nn.Module):
                                     max_new_tokens=max_new_tokens, max_length=max_length, **kw)  # fmt: skip
 
     # ---------------------------------------------------------------------------------------------------------
-    @torch.inference_mode()
     def pick_total_token(self, sizes=AUTO_TREE_SIZES, repeats: int = 5) -> int:
         """total_token=-1: time one verification pass per tree size on this device and pick the size with the
         best expected tokens per second, expected accepted length / pass time. The accepted length is modelled
@@ -199,28 +197,8 @@ class EaModel(nn.Module):
         size wins; on a CPU it grows with the size, so small trees win."""
         import math
 
-        prefix = 256
-        ids = torch.randint(0, self.vocab_size - 1, (1, prefix))
-        best, best_rate = sizes[0], 0.0
-        for n in sizes:
-            cache = self.base.new_cache(prefix + n)
-            self.base.forward(ids, torch.arange(prefix)[None], cache, features=False, last_logits_only=True)
-            tree_ids = torch.randint(0, self.vocab_size - 1, (1, n))
-            positions = torch.arange(prefix, prefix + n)[None]
-            times = []
-            for _ in range(repeats):
-                cache.crop_to(prefix)
-                if torch.cuda.is_available():
-                    torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                self.base.forward(tree_ids, positions, cache, features=True)
-                if torch.cuda.is_available():
-                    torch.cuda.synchronize()
-                times.append(time.perf_counter() - t0)
-            rate = (1 + 0.15 * math.log2(n)) / min(times)
-            if rate > best_rate:
-                best, best_rate = n, rate
-        return best
+        seconds = self.base.pass_seconds(list(sizes), repeats=repeats)
+        return max(sizes, key=lambda n: (1 + 0.15 * math.log2(n)) / seconds[n])
 
 
 def load_head(
