@@ -85,9 +85,11 @@ def main(argv: list[str] | None = None) -> None:
             print("Could not create the public --share link (the tunnel needs internet access to gradio.live); "
                   f"still serving locally at {demo.local_url}")  # fmt: skip
     try:
-        demo.block_thread()
+        engine.serve_model_calls()  # the model runs on this thread (see app/engine.py)
     except KeyboardInterrupt:
-        pass
+        print("stopping")
+    finally:
+        demo.close()
 
 
 def load_engine(args):

@@ -4,11 +4,18 @@ Generations run one at a time, so two decoders never compete for the device and 
 own. The Gradio queue already runs generation events one at a time (one concurrency group, limit 1); the lock
 here also covers the moment after a Stop, when a cancelled run may still be finishing its current round in a
 worker thread.
+
+`launch.py` hands its main thread to `serve_model_calls`: from then on every round runs on the main thread,
+which also loaded and warmed up the model, whichever Gradio worker thread asks for it. Once a second thread has
+run OpenMP work, libgomp's thread teams outnumber the cores and stop spin-waiting, and every parallel product
+pays a wake-up (SmolLM2 on 2 cores: vanilla decoding 25-36 tokens/s on one thread, 13-16 after a second one).
 """
 
 from __future__ import annotations
 
+import queue
 import threading
+from concurrent.futures import Future
 from typing import Iterator, Sequence
 
 from eagle.chat.templates import FittedPrompt, Turn, build_prompt, encode, fit_turns, resolve_kind
@@ -33,6 +40,8 @@ class Engine:
         self.default_system = default_system
         self.info = info or {}
         self._lock = threading.Lock()
+        self._calls: queue.SimpleQueue | None = None  # set while serve_model_calls runs
+        self._server_thread: threading.Thread | None = None
 
     # prompts ---------------------------------------------------------------------------------------------
     def prompt_ids(self, turns: Sequence[Turn], system: str = "") -> list[int]:
@@ -53,12 +62,48 @@ class Engine:
         if not self._lock.acquire(timeout=LOCK_TIMEOUT_S):
             raise EngineBusy("the model is busy with another generation; try again")
         try:
-            yield from self.model.stream(
+            stream = self.model.stream(
                 ids, temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=max_new_tokens,
                 max_length=self.max_length, eagle=eagle,
             )  # fmt: skip
+            try:
+                while (r := self._on_model_thread(next, stream, None)) is not None:
+                    yield r
+            finally:
+                stream.close()
         finally:
             self._lock.release()
+
+    def _on_model_thread(self, fn, *args):
+        calls = self._calls
+        if calls is None or threading.current_thread() is self._server_thread:
+            return fn(*args)
+        done: Future = Future()
+        calls.put((done, fn, args))
+        return done.result()
+
+    def serve_model_calls(self, poll_s: float = 0.5) -> None:
+        """Run the model's work on this thread until KeyboardInterrupt or `stop_serving` (module docstring)."""
+        self._calls, self._server_thread = queue.SimpleQueue(), threading.current_thread()
+        try:
+            while True:
+                try:
+                    call = self._calls.get(timeout=poll_s)  # a timeout keeps Ctrl-C responsive
+                except queue.Empty:
+                    continue
+                if call is None:
+                    return
+                done, fn, args = call
+                try:
+                    done.set_result(fn(*args))
+                except BaseException as e:  # noqa: BLE001 - handed to the caller's thread
+                    done.set_exception(e)
+        finally:
+            self._calls = None
+
+    def stop_serving(self) -> None:
+        if self._calls is not None:
+            self._calls.put(None)
 
     def warmup(self) -> None:
         """One short run of each decoder, so that the first timed reply does not pay one-off costs."""

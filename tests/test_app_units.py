@@ -242,3 +242,35 @@ def test_compare_runs_vanilla_then_eagle(engine):
     last = steps[-1]
     assert last.done and last.summary["same_text"] is True and last.summary["speedup"] > 0
     assert last.vanilla.text == last.eagle.text
+
+
+def test_rounds_run_on_the_thread_serving_model_calls(tmp_path):
+    import threading
+
+    from test_app_helpers import tiny_engine
+
+    engine = tiny_engine(str(tmp_path))
+    ids = engine.prompt_ids([("w1 w2", None)])
+    seen = []
+    real_forward = engine.model.base.forward
+
+    def forward(*args, **kwargs):
+        seen.append(threading.current_thread())
+        return real_forward(*args, **kwargs)
+
+    engine.model.base.forward = forward
+    list(engine.rounds(ids, max_new_tokens=4))  # nobody serving: the caller's thread runs them
+    assert set(seen) == {threading.current_thread()}
+    seen.clear()
+    server = threading.Thread(target=engine.serve_model_calls, kwargs={"poll_s": 0.05})
+    server.start()
+    try:
+        while engine._calls is None:
+            threading.Event().wait(0.01)
+        rounds = list(engine.rounds(ids, max_new_tokens=4))
+    finally:
+        engine.stop_serving()
+        server.join(5)
+    assert sum(len(r.tokens) for r in rounds) == 4
+    assert seen and set(seen) == {server}
+    assert not server.is_alive() and engine._calls is None

@@ -11,8 +11,9 @@
 #
 #   setsid nohup eagle/train/train_smollm2.sh >> ~/.cache/eagle/train-smollm2.log 2>&1 < /dev/null &
 #
-# The shipped head came from stage 1 stopped at step 600 and stage 3's best export (step 600), i.e.
+# The shipped head: stage 1 stopped at step 600, stage 3 from it stopped at step 700, stage 4 from that (2400 steps):
 #   STAGES="2 3" INIT=~/.cache/eagle/train-runs/smollm2-stage1/checkpoints/step_00000600.pt eagle/train/train_smollm2.sh
+#   STAGES=4 INIT4=~/.cache/eagle/train-runs/smollm2-stage3/checkpoints/step_00000700.pt eagle/train/train_smollm2.sh
 # ASSET=folder sends new best exports somewhere other than assets/ (to benchmark them before replacing).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
