@@ -3,8 +3,10 @@
 A decode step or a tree verification streams every weight of the base once for a handful of rows, so its speed
 is memory bandwidth. MKL leaves much of it unused there: its GEMV (one row) runs on one thread, and its GEMM
 repacks the weight on every call. W @ x^T with 2 or 4 columns streams the weight once on all threads (1 and 3
-rows get one repeated column; odd counts take a slower kernel). Measured on SmolLM2-135M, 2 cores: a 1-row
-forward 42 -> 27 ms, 4 rows 63 -> 38 ms; beyond 4 rows the gain was within noise.
+rows get one repeated column; odd counts take a slower kernel). Measured on SmolLM2-135M, 2 cores
+(`python -m eagle.evaluation.pass_cost`): a 1-row forward 43 -> 27 ms, 4 rows 68 -> 30 ms; none beyond 4 rows.
+The threads pay off while one thread runs the model: the app gives its model calls to the main thread
+(app/engine.py).
 
 The results equal F.linear up to float32 rounding (a different summation order), the same kind of difference a
 batched tree verification already has against one-row decoding. The faster path runs only inside
@@ -33,7 +35,8 @@ class FewRowLinear(nn.Linear):
         flat = x.reshape(rows, x.shape[-1])  # [rows, in]
         if rows % 2:
             flat = torch.cat((flat, flat[:1]))  # [rows + 1, in]: 2 or 4 columns
-        # row-major in and out: a row-major x^T takes MKL's slow kernel (3x on down_proj)
+        # x^T as the transposed view of a row-major x: a row-major [in, rows] operand took a 3x slower MKL kernel
+        # (down_proj's input, when it was an earlier output's view). The result is row-major, as F.linear's.
         out = torch.mm(self.weight, flat.contiguous().T)[:, :rows].T.contiguous()  # [rows, out]
         if self.bias is not None:
             out = out + self.bias
