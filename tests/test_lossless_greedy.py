@@ -39,11 +39,10 @@ def test_greedy_eagle_equals_hf_generate_and_accepts_drafts(base_folder, eagle3)
 
 
 @pytest.mark.parametrize("eagle3", [False, True], ids=["eagle12", "eagle3"])
-def test_bfloat16_head_under_float32_base_stays_lossless(base_folder, eagle3):
-    folder, base = base_folder
-    if base.config.model_type != "llama":
-        pytest.skip("one architecture is enough: the head's dtype does not touch the base")
-    model = load(folder, base, eagle3, draft_dtype="bfloat16")
+def test_bfloat16_head_under_float32_base_stays_lossless(tmp_path, eagle3):
+    base = tiny_base("llama")  # one architecture: the head's dtype does not touch the base
+    save_base(base, str(tmp_path / "base"))
+    model = load(tmp_path, base, eagle3, draft_dtype="bfloat16")
     assert model.ea_layer.fc.weight.dtype == torch.bfloat16 and model.base.dtype == torch.float32
     assert_greedy_equals_generate(model, base)
 
