@@ -58,3 +58,14 @@ def test_pass_cost_times_each_row_count_with_and_without_the_few_row_kernels(fol
     assert json.loads((folder / "c.json").read_text())["rows"] == [1, 2, 4]
     assert "| 4 |" in capsys.readouterr().out
 
+
+
+@pytest.mark.parametrize("tool,argv,message", [
+    (pass_cost, ["--rows", "0,2"], "--rows, --context and --repeats must be >= 1"),
+    (profile, ["--rounds", "0"], "--rounds and --max-new-tokens must be > 0"),
+])  # fmt: skip
+def test_bad_options_end_the_tool_with_one_line_and_status_2(tool, argv, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        tool.main(argv)
+    assert e.value.code == 2
+    assert capsys.readouterr().err.strip().endswith(f"error: {message}")

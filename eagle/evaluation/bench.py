@@ -20,10 +20,9 @@ import sys
 
 import torch
 
-from eagle.chat.model_types import ModelLoadError
 
 from .methods import DEFAULT_METHODS, METHODS, Settings, load_assistant, make_runners, parse_methods
-from .models import add_model_args, device_name, load_from_args
+from .models import add_model_args, device_name, exit_on_bad_options, load_from_args, log
 from .prompts import build_prompts
 from .report import aggregate, markdown, write_outputs
 
@@ -160,14 +159,8 @@ def main(argv: list[str] | None = None) -> dict | None:
     args = build_parser().parse_args(argv)
     args.argv = argv
 
-    def log(msg: str) -> None:
-        print(msg, file=sys.stderr, flush=True)
-
-    try:
+    with exit_on_bad_options():
         result = run(args, log)
-    except (ModelLoadError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        raise SystemExit(2) from None
     paths = write_outputs(result, args.out, args.json)
     print(markdown(result))
     log("wrote " + ", ".join(paths.values()))

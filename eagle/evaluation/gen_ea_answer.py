@@ -23,11 +23,10 @@ import uuid
 
 import torch
 
-from eagle.chat.model_types import ModelLoadError
 from eagle.chat.templates import build_prompt, encode
 
 from .methods import timed
-from .models import add_model_args, load_from_args
+from .models import add_model_args, exit_on_bad_options, load_from_args, log
 from .questions import load_mtbench_questions
 
 
@@ -70,14 +69,11 @@ def answer(model, kind: str, system: str, turns: list[str], generate, max_new_to
 def main(argv: list[str] | None = None, baseline: bool = False) -> None:
     args = build_parser(baseline).parse_args(sys.argv[1:] if argv is None else argv)
     baseline = baseline or args.baseline
-    try:
+    with exit_on_bad_options():
         if args.threads:
             torch.set_num_threads(args.threads)
         questions = load_mtbench_questions(args.question_file)[: args.limit]
-        loaded = load_from_args(args, log=lambda m: print(m, file=sys.stderr, flush=True))
-    except (ModelLoadError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        raise SystemExit(2) from None
+        loaded = load_from_args(args, log)
     model, kind, system = loaded.model, loaded.mtype.template, loaded.mtype.system_prompt
     generate = model.naivegenerate if baseline else model.eagenerate
     model_id = args.model_id or os.path.splitext(os.path.basename(args.answer_file))[0]
@@ -99,8 +95,7 @@ def main(argv: list[str] | None = None, baseline: bool = False) -> None:
         with open(args.answer_file, "a") as f:
             f.write(json.dumps(record, ensure_ascii=False) + "\n")
         speed = sum(choice["new_tokens"]) / max(sum(choice["wall_time"]), 1e-9)
-        print(f"[{i + 1}/{len(questions)}] {q['question_id']}: {sum(choice['new_tokens'])} tokens, "
-              f"{speed:.1f} tokens/s", file=sys.stderr, flush=True)  # fmt: skip
+        log(f"[{i + 1}/{len(questions)}] {q['question_id']}: {sum(choice['new_tokens'])} tokens, {speed:.1f} tokens/s")
 
 
 if __name__ == "__main__":

@@ -9,6 +9,8 @@ model option the embedded default is used: SmolLM2-135M-Instruct with the EAGLE-
 from __future__ import annotations
 
 import argparse
+import contextlib
+import sys
 
 from eagle.chat.model_types import DTYPES, MODEL_TYPES, LoadedModel, ModelLoadError, ModelType, load, model_type
 
@@ -61,3 +63,18 @@ def device_name(device: str) -> str:
     except OSError:
         pass
     return f"CPU: {cpu}, torch threads: {torch.get_num_threads()}"
+
+
+def log(msg: str) -> None:
+    """Progress of a tool: on stderr, so that stdout keeps its results."""
+    print(msg, file=sys.stderr, flush=True)
+
+
+@contextlib.contextmanager
+def exit_on_bad_options():
+    """A model that cannot be loaded or a bad option ends the tool with one line on stderr and status 2."""
+    try:
+        yield
+    except (ModelLoadError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None

@@ -17,10 +17,9 @@ import sys
 
 import torch
 
-from eagle.chat.model_types import ModelLoadError
 from eagle.model import few_rows
 
-from .models import add_model_args, device_name, load_from_args
+from .models import add_model_args, device_name, exit_on_bad_options, load_from_args, log
 
 
 def measure(model, rows: list[int], context: int, repeats: int) -> dict:
@@ -67,14 +66,11 @@ def main(argv: list[str] | None = None) -> dict:
     args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    try:
+    with exit_on_bad_options():
         rows = sorted({int(r) for r in args.rows.split(",")})
         if rows[0] < 1 or args.context < 1 or args.repeats < 1:
             raise ValueError("--rows, --context and --repeats must be >= 1")
-        loaded = load_from_args(args, lambda msg: print(msg, file=sys.stderr, flush=True))
-    except (ModelLoadError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        raise SystemExit(2) from None
+        loaded = load_from_args(args, log)
     result = measure(loaded.model, rows, args.context, args.repeats)
     result.update(device=device_name(loaded.device), model=loaded.describe(), context=args.context)
     print(f"{result['device']}; base {result['model']['base']} ({loaded.dtype}), {args.context} cached tokens")

@@ -23,9 +23,8 @@ from collections import defaultdict
 
 import torch
 
-from eagle.chat.model_types import ModelLoadError
 
-from .models import add_model_args, device_name, load_from_args
+from .models import add_model_args, device_name, exit_on_bad_options, load_from_args, log
 from .prompts import build_prompts
 
 PHASES = [
@@ -250,19 +249,13 @@ def main(argv: list[str] | None = None) -> dict:
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    def log(msg):
-        print(msg, file=sys.stderr, flush=True)
-
     from .questions import load_mtbench_questions
 
-    try:
+    with exit_on_bad_options():
         if args.rounds <= 0 or args.max_new_tokens <= 0:
             raise ValueError("--rounds and --max-new-tokens must be > 0")
         questions = load_mtbench_questions(args.question_file)
         loaded = load_from_args(args, log)
-    except (ModelLoadError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        raise SystemExit(2) from None
     prompts = build_prompts(questions, loaded.model.tokenizer, loaded.mtype.template, loaded.mtype.system_prompt)
     result = profile(loaded.model, prompts, args)
     result.update(device=device_name(loaded.device), model=loaded.describe())
