@@ -76,6 +76,16 @@ def load_conversations(path: str | None = None, limit: int | None = None, skip: 
     return convs if limit is None else convs[:limit]
 
 
+def encode_sample(tokenizer, template, messages: list[dict], max_len: int, truncated: bool = False):
+    """-> input_ids [T], loss_mask [T] of a conversation; `truncated`: its last reply was cut by a length budget,
+    so the end-of-turn token the template adds after it is dropped (the base never wrote it)."""
+    ids, mask = encode_conversation(tokenizer, template, messages, max_len)
+    if truncated and mask.any():
+        end = int(mask.nonzero()[-1])
+        ids, mask = ids[:end], mask[:end]
+    return ids, mask
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Base model side
 class FeatureExtractor:
@@ -88,18 +98,38 @@ class FeatureExtractor:
         self.lm_head = model.get_output_embeddings()
         self.chunk = logits_chunk
 
-    @torch.inference_mode()
     def __call__(self, ids: torch.Tensor) -> dict[str, torch.Tensor]:
         """ids [T] -> hidden [T, H], argmax [T], taps [T, 3H] (EAGLE-3), on the CPU."""
+        return self.many([ids], batch_tokens=0)[0]
+
+    @torch.inference_mode()
+    def many(self, seqs: list[torch.Tensor], batch_tokens: int) -> list[dict[str, torch.Tensor]]:
+        """`__call__` for each of `seqs`, several per forward: sequences of similar length are right-padded into
+        batches of at most `batch_tokens` padded tokens (0 = one per forward). Causal attention keeps a row's
+        real tokens blind to the padding after them, so no attention mask is needed."""
         device = self.lm_head.weight.device
         kwargs = {"output_hidden_states": list(self.taps)} if self.taps else {}
-        out = self.model.get_decoder()(input_ids=ids[None].to(device), use_cache=False, **kwargs)
-        hidden = out.last_hidden_state[0]  # [T, H] post final norm
-        argmax = torch.cat([self.lm_head(h).argmax(-1) for h in hidden.split(self.chunk)])  # [T]
-        result = {"hidden": hidden.cpu(), "argmax": argmax.cpu()}
-        if self.taps:
-            result["taps"] = torch.cat([out.hidden_states[i][0] for i in self.taps], dim=-1).cpu()  # [T, 3H]
-        return result
+        order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
+        results: list[dict | None] = [None] * len(seqs)
+        while order:
+            rows = [order.pop()]  # longest first: the batch width
+            while order and (len(rows) + 1) * len(seqs[rows[0]]) <= batch_tokens:
+                rows.append(order.pop())
+            width = len(seqs[rows[0]])
+            ids = torch.zeros(len(rows), width, dtype=torch.long)  # [B, T] right-padded
+            for r, i in enumerate(rows):
+                ids[r, : len(seqs[i])] = seqs[i]
+            out = self.model.get_decoder()(input_ids=ids.to(device), use_cache=False, **kwargs)
+            hidden = out.last_hidden_state  # [B, T, H] post final norm
+            flat = hidden.flatten(0, 1)
+            argmax = torch.cat([self.lm_head(h).argmax(-1) for h in flat.split(self.chunk)]).view(len(rows), width)
+            taps = torch.cat([out.hidden_states[i] for i in self.taps], dim=-1) if self.taps else None  # [B, T, 3H]
+            for r, i in enumerate(rows):
+                n = len(seqs[i])
+                results[i] = {"hidden": hidden[r, :n].cpu(), "argmax": argmax[r, :n].cpu()}
+                if taps is not None:
+                    results[i]["taps"] = taps[r, :n].cpu()
+        return results
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -122,6 +152,7 @@ class PrepareConfig:
     shard_size: int = 32
     part: str = "0/1"
     device: str | None = None
+    extract_batch_tokens: int = -1  # padded tokens per feature forward; -1 = 32768 on a GPU, one sample on CPU
     seed: int = 0
 
     @property
@@ -187,7 +218,9 @@ def prepare(cfg: PrepareConfig, conversations: list | None = None, log=print) ->
     ).to(device).eval()  # fmt: skip
     needs_template = conversations is None or any(not isinstance(c, tuple) for c in conversations)
     template = make_template(tokenizer, cfg.template) if needs_template else None
-    extractor = FeatureExtractor(model, eagle3=cfg.recipe == "eagle3")
+    on_gpu = torch.device(device).type != "cpu"
+    extractor = FeatureExtractor(model, eagle3=cfg.recipe == "eagle3", logits_chunk=4096 if on_gpu else 256)
+    batch_tokens = cfg.extract_batch_tokens if cfg.extract_batch_tokens >= 0 else (32768 if on_gpu else 0)
     if conversations is None:
         conversations = load_conversations(cfg.data_path, cfg.limit, cfg.skip)
     elif cfg.limit is not None:
@@ -240,19 +273,18 @@ def prepare(cfg: PrepareConfig, conversations: list | None = None, log=print) ->
                     if not messages:
                         skipped += 1
                         continue
-                    ids, mask = encode_conversation(tokenizer, template, messages, cfg.max_len)
-                    if truncated and mask.any():  # drop the end-of-turn the base never wrote
-                        end = int(mask.nonzero()[-1])
-                        ids, mask = ids[:end], mask[:end]
+                    ids, mask = encode_sample(tokenizer, template, messages, cfg.max_len, truncated)
             except TemplateError:
                 skipped += 1
                 continue
             if ids.numel() < 4 or mask[2:].sum() == 0:
                 skipped += 1
                 continue
-            samples.append({"input_ids": ids, "loss_mask": mask, **extractor(ids)})
-            done_tokens += ids.numel()
-            bar.set_postfix(tok_s=f"{done_tokens / (time.time() - t0):.0f}", skipped=skipped, refresh=False)
+            samples.append({"input_ids": ids, "loss_mask": mask})
+        for sample, features in zip(samples, extractor.many([s["input_ids"] for s in samples], batch_tokens)):
+            sample.update(features)
+            done_tokens += sample["input_ids"].numel()
+        bar.set_postfix(tok_s=f"{done_tokens / (time.time() - t0):.0f}", skipped=skipped, refresh=False)
         if samples:
             _write_shard(path, samples, store)
         else:

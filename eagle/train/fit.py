@@ -60,6 +60,7 @@ class FitConfig:
     keep_checkpoints: int = 2
     log_every: int = 10
     resume: bool = False
+    max_minutes: float | None = None  # stop (checkpoint, evaluate, export) after this much training time
     export_dir: str | None = None
     export_dtype: str = "fp16"
     base_model_path: str | None = None  # enables `eval_generate`
@@ -377,6 +378,10 @@ def fit(cfg: FitConfig, log=print) -> Path:
     bar = tqdm(total=total, initial=step, disable=not main, desc=f"fit {cfg.recipe}", dynamic_ncols=True)
     window: dict[str, float] = {}
     t0, tokens_seen = time.time(), 0
+
+    def out_of_time() -> bool:
+        return cfg.max_minutes is not None and time.time() - t0 > 60 * cfg.max_minutes
+
     trainer.train()
     while step < total:
         epoch, done = divmod(step, per_epoch)
@@ -411,8 +416,11 @@ def fit(cfg: FitConfig, log=print) -> Path:
                 save_checkpoint()
             if step % cfg.eval_every == 0 and items.eval:
                 eval_and_export()
-            if step >= total:
+            if step >= total or out_of_time():
                 break
+        if out_of_time():
+            say(f"stopping at step {step} of {total}: --max-minutes {cfg.max_minutes} reached")
+            break
     bar.close()
     if step % cfg.save_every:
         save_checkpoint()

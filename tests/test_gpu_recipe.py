@@ -1,0 +1,118 @@
+"""The GPU recipe at tiny scale on CPU: bundles round-trip and name a damaged or missing part; generation resumes
+after an interruption without duplicating or losing conversations; `run` goes from an input bundle to a results
+bundle whose head loads and decodes losslessly."""
+
+import gzip
+import json
+import os
+
+import pytest
+import torch
+from tiny import save_base, tiny_base
+
+from eagle.model.ea_model import EaModel
+from eagle.train.bundle import BundleError, pack, unpack
+from eagle.train.gpu_recipe import build_parser, generate, main, read_openings
+
+VOCAB = 64
+TEMPLATE = "{% for m in messages %}<s> {{ m['content'] }} </s> {% endfor %}{% if add_generation_prompt %}<s> {% endif %}"
+
+
+def test_bundle_round_trips_across_folders_and_names_bad_parts(tmp_path):
+    files = {}
+    for name, size in [("a.bin", 5000), ("sub/b.bin", 12345), ("empty", 0)]:
+        path = tmp_path / "src" / name.replace("/", "_")
+        path.parent.mkdir(exist_ok=True)
+        path.write_bytes(os.urandom(size))
+        files[name] = path
+    manifest = pack(files, tmp_path / "bundle", max_part_bytes=4096)
+    assert len(manifest["parts"]) >= 5 and all(p["size"] <= 4096 for p in manifest["parts"])
+    # the parts travel in two folders (two transfers)
+    second = tmp_path / "second"
+    second.mkdir()
+    for p in manifest["parts"][::2]:
+        os.replace(tmp_path / "bundle" / p["name"], second / p["name"])
+    out = unpack([tmp_path / "bundle", second], tmp_path / "dest")
+    assert {n: out[n].read_bytes() for n in files} == {n: p.read_bytes() for n, p in files.items()}
+
+    damaged = second / manifest["parts"][0]["name"]
+    data = bytearray(damaged.read_bytes())
+    data[10] ^= 1
+    damaged.write_bytes(bytes(data))
+    with pytest.raises(BundleError, match="part-000 is damaged"):
+        unpack([tmp_path / "bundle", second], tmp_path / "dest2")
+    damaged.unlink()
+    with pytest.raises(BundleError, match="part-000 is missing"):
+        unpack([tmp_path / "bundle", second], tmp_path / "dest3")
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory):
+    """A tiny base with a chat template, 24 openings and 2 MT-bench-style questions, bundled like `pack` does."""
+    root = tmp_path_factory.mktemp("recipe")
+    base = tiny_base("llama", vocab=VOCAB, layers=4)
+    folder = save_base(base, str(root / "base"), eos=1)
+    config = json.loads((root / "base" / "tokenizer_config.json").read_text())
+    config["chat_template"] = TEMPLATE
+    (root / "base" / "tokenizer_config.json").write_text(json.dumps(config))
+    g = torch.Generator().manual_seed(0)
+    with gzip.open(root / "openings.jsonl.gz", "wt") as f:
+        for i in range(24):
+            words = " ".join(f"w{int(t)}" for t in torch.randint(2, VOCAB, (3 + i % 5,), generator=g))
+            f.write(json.dumps({"messages": [{"role": "user", "content": words}]}) + "\n")
+    files = {f"base/{n}": os.path.join(folder, n) for n in os.listdir(folder)}
+    files["openings.jsonl.gz"] = root / "openings.jsonl.gz"
+    pack(files, root / "in", max_part_bytes=64 << 10)
+    return root
+
+
+def _gen_args(*extra):
+    return build_parser().parse_args(["run", "--inputs", "x", "--work", "x", "--results", "x", "--gen-chunk", "8",
+                                      "--gen-batch", "4", "--max-len", "48", "--max-new-tokens", "12",
+                                      "--sample-every", "3", *extra])  # fmt: skip
+
+
+def _records(folder):
+    return [line for p in sorted(folder.glob("chunk_*.jsonl")) for line in p.read_text().splitlines()]
+
+
+def test_generation_resumes_without_duplicates_or_losses(inputs, tmp_path):
+    openings = read_openings(inputs / "openings.jsonl.gz")
+    unpacked = unpack(inputs / "in", tmp_path / "in")
+    base = str(unpacked["base/config.json"].parent)
+    args = _gen_args()
+    args.device = "cpu"
+    generate(base, openings, tmp_path / "whole", args)
+    args.gen_minutes = 0  # each run makes one chunk, then stops: three interrupted runs
+    (tmp_path / "parts").mkdir()
+    (tmp_path / "parts" / "chunk_00001.tmp").write_text("half a chunk\n")  # left by a killed run
+    for _ in range(3):
+        generate(base, openings, tmp_path / "parts", args)
+    whole, parts = _records(tmp_path / "whole"), _records(tmp_path / "parts")
+    assert len(whole) == 24 and parts == whole
+    temperatures = [json.loads(x)["temperature"] for x in whole]
+    assert temperatures == [0.0] * 16 + [0.7] * 8  # every third chunk sampled
+
+
+def test_run_turns_an_input_bundle_into_a_results_bundle_with_a_lossless_head(inputs, tmp_path):
+    work, results = tmp_path / "work", tmp_path / "results"
+    main(["run", "--inputs", str(inputs / "in"), "--work", str(work), "--results", str(results), "--device", "cpu",
+          "--gen-chunk", "8", "--gen-batch", "8", "--max-len", "48", "--max-new-tokens", "24", "--epochs", "2",
+          "--batch-tokens", "256", "--ttt-steps", "3", "--init-from", "", "--eval-samples", "4", "--eval-every", "10",
+          "--bench-per-category", "0"])  # fmt: skip
+    assert all(p.stat().st_size <= 16 << 20 for p in results.iterdir())
+    out = unpack(results, tmp_path / "back")
+    assert {"head-config.json", "head-model.safetensors", "head-acceptance.json", "run-log.jsonl",
+            "generated.jsonl.gz"} <= set(out)
+    profile = json.loads(out["head-acceptance.json"].read_text())
+    assert len(profile["accept"]["0"]) == 7 and all(0 <= sum(row) <= 1 + 1e-6 for row in profile["accept"]["0"])
+    head = tmp_path / "head"
+    head.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        os.replace(out[f"head-{name}"], head / name)
+    base = str(work / "inputs" / "base")
+    model = EaModel.from_pretrained(base, str(head), dtype=torch.float32, total_token=8, depth=3, top_k=3)
+    ids = torch.tensor([[0, 5, 9, 13]])
+    ref = model.base_model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=20,
+                                    min_new_tokens=20)  # fmt: skip
+    assert model.eagenerate(ids, max_new_tokens=20, stop_token_ids=[]).tolist() == ref.tolist()
