@@ -66,6 +66,7 @@ def test_bench_end_to_end_writes_json_table_and_plot(tiny_model, tmp_path, capsy
         assert m["tokens_per_s"] > 0 and m["new_tokens"] == data["methods"]["hf"]["new_tokens"]
         assert set(m["categories"]) == {"writing", "reasoning"}
         assert m["identical_to_hf"] == (None if name == "hf" else "3/3")
+        assert m["x_floor"] == pytest.approx(m["tokens_per_s"] / data["floor"]["tokens_per_s"])
     assert 32 < data["methods"]["hf"]["new_tokens"] < 48  # one answer stopped at </s>, in every method alike
     assert data["methods"]["hf"]["speedup_vs_hf"] == 1.0
     assert data["methods"]["hf"]["mean_accepted_tokens"] is None
@@ -76,6 +77,7 @@ def test_bench_end_to_end_writes_json_table_and_plot(tiny_model, tmp_path, capsy
     assert len(data["records"]) == 3 * len(METHODS)
     assert (out / "bench.png").stat().st_size > 10_000
     table = (out / "bench.md").read_text()
+    assert data["floor"]["bandwidth_gb_s"] > 0 and "Bandwidth floor" in table
     assert "| eagle_static |" in table and "| reasoning |" in table and data["command"] in table
     assert "| eagle |" in capsys.readouterr().out
 

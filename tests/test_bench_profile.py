@@ -57,6 +57,7 @@ def test_pass_cost_times_each_row_count_with_and_without_the_few_row_kernels(fol
         assert set(timings) == {1, 2, 4} and all(ms > 0 for ms in timings.values())
     assert json.loads((folder / "c.json").read_text())["rows"] == [1, 2, 4]
     assert "| 4 |" in capsys.readouterr().out
+    assert result["floor"]["ms_per_token"] > 0 and result["cpu"]["cpus"] >= 1
 
 
 

@@ -63,7 +63,7 @@ def test_markdown_table_lists_methods_and_categories():
                      "depth": 7, "top_k": 10},
     }  # fmt: skip
     text = markdown(result)
-    assert "| eagle | 28.3 | 3.17x | 3.09 | 2/3 | 170 | 6.00 |" in text
+    assert "| eagle | 28.3 | – | 3.17x | 3.09 | 2/3 | 170 | 6.00 |" in text
     assert "| math | 1.00x | 2.00x (1.00) | 4.00x (4.00) |" in text
     assert "`python -m eagle.evaluation.bench --limit 3`" in text
 

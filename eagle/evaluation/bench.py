@@ -19,8 +19,10 @@ import shlex
 import sys
 
 import torch
+from tqdm.auto import tqdm
 
 
+from .floor import cpu_description, floor
 from .methods import DEFAULT_METHODS, METHODS, Settings, load_assistant, make_runners, parse_methods
 from .models import add_model_args, device_name, exit_on_bad_options, load_from_args, log
 from .prompts import build_prompts
@@ -104,17 +106,24 @@ def run(args, log) -> dict:
     runners = make_runners(names, model, settings, assistant)
     greedy = args.temperature <= 1e-5
 
+    bound = floor(model.base_model, loaded.device)
+    log(f"bandwidth floor: {bound['weight_mb']:.1f} MB of weights per token at {bound['bandwidth_gb_s']:.1f} GB/s "
+        f"= {bound['tokens_per_s']:.1f} tokens/s")
     log(f"{len(prompts)} questions, methods {', '.join(names)}, stop ids {sorted(model.stop_token_ids)}")
     for name, runner in runners.items():
         for _ in range(args.warmup):
             torch.manual_seed(args.seed)
             runner(prompts[0].ids)
     records = []
+    bar = tqdm(total=len(prompts) * len(runners), desc="bench", unit="answer", disable=args.quiet, file=sys.stderr,
+               dynamic_ncols=True)  # fmt: skip
     for i, prompt in enumerate(prompts):
         outputs = {}
         for name, runner in runners.items():  # interleaved: every method on this question, then the next
+            bar.set_postfix_str(f"question {i + 1}/{len(prompts)} ({prompt.category}), {name}")
             torch.manual_seed(args.seed + i)
             outputs[name] = runner(prompt.ids)
+            bar.update(1)
         ref = outputs.get("hf") if greedy else None
         for name, o in outputs.items():
             checked = ref is not None and name != "hf"
@@ -127,12 +136,18 @@ def run(args, log) -> dict:
             })  # fmt: skip
         if not args.quiet:
             rates = ", ".join(f"{n} {len(o.tokens) / o.seconds:.1f}" for n, o in outputs.items())
-            log(f"[{i + 1}/{len(prompts)}] {prompt.question_id} ({prompt.category}): tokens/s {rates}")
+            bar.write(f"[{i + 1}/{len(prompts)}] {prompt.question_id} ({prompt.category}): tokens/s {rates}",
+                      file=sys.stderr)  # fmt: skip
+    bar.close()
 
     agg = aggregate(records, names)
+    for m in agg["methods"].values():
+        m["x_floor"] = m["tokens_per_s"] / bound["tokens_per_s"] if m["tokens_per_s"] else None
     return {
         "label": args.label,
         "device": device_name(loaded.device),
+        "cpu": cpu_description(),
+        "floor": bound,
         "model": loaded.describe(),
         "questions": len(prompts),
         "identical_to_hf": agg["identical_to_hf"],

@@ -19,6 +19,7 @@ import torch
 
 from eagle.model import few_rows
 
+from .floor import cpu_description, floor
 from .models import add_model_args, device_name, exit_on_bad_options, load_from_args, log
 
 
@@ -40,10 +41,13 @@ def measure(model, rows: list[int], context: int, repeats: int) -> dict:
 def table(result: dict) -> str:
     engine, plain = result["engine_ms"], result["plain_linear_ms"]
     step = engine[1] if 1 in engine else None
-    head = "| rows | engine ms | in 1-row steps |" + (" plain nn.Linear ms | engine speedup |" if plain else "")
-    lines = [head, "|---:|---:|---:|" + ("---:|---:|" if plain else "")]
+    fl = (result.get("floor") or {}).get("ms_per_token")
+    head = "| rows | engine ms | in 1-row steps | in floor steps |"
+    head += " plain nn.Linear ms | engine speedup |" if plain else ""
+    lines = [head, "|---:|---:|---:|---:|" + ("---:|---:|" if plain else "")]
     for n in result["rows"]:
         line = f"| {n} | {engine[n]:.1f} | {engine[n] / step:.2f} |" if step else f"| {n} | {engine[n]:.1f} | – |"
+        line += f" {engine[n] / fl:.2f} |" if fl else " – |"
         if plain:
             line += f" {plain[n]:.1f} | {plain[n] / engine[n]:.2f}x |"
         lines.append(line)
@@ -72,8 +76,12 @@ def main(argv: list[str] | None = None) -> dict:
             raise ValueError("--rows, --context and --repeats must be >= 1")
         loaded = load_from_args(args, log)
     result = measure(loaded.model, rows, args.context, args.repeats)
-    result.update(device=device_name(loaded.device), model=loaded.describe(), context=args.context)
+    bound = floor(loaded.model.base_model, loaded.device)
+    result.update(device=device_name(loaded.device), cpu=cpu_description(), floor=bound, model=loaded.describe(),
+                  context=args.context)  # fmt: skip
     print(f"{result['device']}; base {result['model']['base']} ({loaded.dtype}), {args.context} cached tokens")
+    print(f"bandwidth floor: {bound['weight_mb']:.1f} MB of weights per token at {bound['bandwidth_gb_s']:.1f} GB/s "
+          f"= {bound['ms_per_token']:.2f} ms per one-token step")  # fmt: skip
     print(table(result))
     if args.json:
         with open(args.json, "w") as f:

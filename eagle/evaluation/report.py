@@ -101,15 +101,17 @@ def markdown(result: dict) -> str:
         f"max_new_tokens={s['max_new_tokens']}, temperature={s['temperature']}, "
         f"EAGLE-2 tree total_token={s['total_token']} depth={s['depth']} top_k={s['top_k']}  ",
         f"**Identical to hf (T=0):** {result['identical_to_hf'] or 'not checked'}  ",
+        *([f"**Bandwidth floor:** {fl['tokens_per_s']:.1f} tokens/s ({fl['weight_mb']:.0f} MB of weights per token at "
+           f"{fl['bandwidth_gb_s']:.1f} GB/s measured); x floor = tokens/s ÷ that  "] if (fl := result.get("floor")) else []),
         f"**Command:** `{result['command']}`",
         "",
-        "| method | tokens/s | speedup vs hf | mean accepted tokens / base forward | identical to hf | new tokens "
-        "| seconds |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        "| method | tokens/s | x floor | speedup vs hf | mean accepted tokens / base forward | identical to hf "
+        "| new tokens | seconds |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for name, m in result["methods"].items():
         lines.append(
-            f"| {name} | {_fmt(m['tokens_per_s'], 1)} | {_fmt(m['speedup_vs_hf'], 2, 'x')} | "
+            f"| {name} | {_fmt(m['tokens_per_s'], 1)} | {_fmt(m.get('x_floor'))} | {_fmt(m['speedup_vs_hf'], 2, 'x')} | "
             f"{_fmt(m['mean_accepted_tokens'])} | {m['identical_to_hf'] or '–'} | {m['new_tokens']} | "
             f"{_fmt(m['seconds'], 2)} |"
         )
