@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> None:
 
 def load_engine(args):
     """Model type -> loaded model -> Engine (with a warm-up). Raises ModelLoadError."""
-    from eagle.chat.model_types import load, model_type
+    from eagle.chat.model_types import load, model_type, tree_description
     from eagle.chat.templates import default_system_prompt
 
     from .engine import Engine
@@ -107,11 +107,10 @@ def load_engine(args):
     loaded = load(mtype, args.base_model_path, args.ea_model_path, args.total_token, args.depth, args.top_k,
                   args.dtype, args.device_map, stages=3, draft_dtype=args.draft_dtype)  # fmt: skip
     model = loaded.model
-    tree = model.tree
     info = {
         "model_type": mtype.name, "base": args.base_model_path or mtype.base or "SmolLM2-135M-Instruct (embedded)",
         "head": args.ea_model_path or mtype.head, "draft": "EAGLE-3" if model.use_eagle3 else "EAGLE-1/2",
-        "tree": f"total_token={tree.total_token}, depth={tree.depth}, top_k={tree.top_k}",
+        "tree": tree_description(model),
         "dtype_device": f"{loaded.dtypes} / {loaded.device}",
     }  # fmt: skip
     system = mtype.system_prompt or default_system_prompt(mtype.template)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from eagle.model.checkpoint import WEIGHT_FILES
@@ -203,7 +203,17 @@ class LoadedModel:
             "type": self.mtype.name, "base": self.base_name, "head": self.head_name, "dtype": self.dtype,
             "draft_dtype": self.draft_dtype or self.dtype, "eagle3": bool(self.model.use_eagle3),
             "template": self.mtype.template,
+            "tree_choice": asdict(c) if (c := self.model.tree_choice) is not None else None,
         }  # fmt: skip
+
+
+def tree_description(model) -> str:
+    """The tree in one line, with the tuner's prediction when it was picked on this machine (total_token=-1)."""
+    t, c = model.tree, model.tree_choice
+    text = f"total_token={t.total_token}, depth={t.depth}, top_k={t.top_k}"
+    if c is not None:
+        text += f" (tuned on this machine: predicted {c.tokens_per_s:.1f} tokens/s, {c.tau:.2f} tokens per forward)"
+    return text
 
 
 def load(
@@ -265,8 +275,7 @@ def load(
     seconds = time.perf_counter() - t0
     device = str(next(model.base_model.parameters()).device)
     kind = "EAGLE-3" if model.use_eagle3 else "EAGLE-1/2"
-    log(f"      loaded in {seconds:.1f} s ({kind} head, tree: total_token={model.tree.total_token}, "
-        f"depth={model.tree.depth}, top_k={model.tree.top_k})")  # fmt: skip
+    log(f"      loaded in {seconds:.1f} s ({kind} head, tree: {tree_description(model)})")
     return LoadedModel(
         model, mtype, base, head, str(base_name), str(head_name), dtype_name, device, seconds, head_dtype_name
     )

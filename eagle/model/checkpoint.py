@@ -77,6 +77,19 @@ def read_checkpoint(path: str) -> tuple[dict, dict[str, torch.Tensor]]:
     raise CheckpointError(f"draft checkpoint '{path}' has neither of {WEIGHT_FILES}")
 
 
+def read_acceptance_profile(path: str) -> dict | None:
+    """The head's acceptance profile (`acceptance.json` beside its weights, see eagle/train/acceptance.py), or None."""
+    found = _resolve(path, "acceptance.json")
+    if found is None:
+        return None
+    with open(found) as f:
+        profile = json.load(f)
+    rows = profile.get("accept", {}).get("0")
+    if not rows or not all(isinstance(r, list) and r for r in rows):
+        raise CheckpointError(f"{found}: expected accept['0'] as a list of per-depth lists (eagle/train/acceptance.py)")
+    return profile
+
+
 def detect_eagle3(config: dict, state: dict, use_eagle3: bool | None) -> bool:
     has3 = any(k.startswith("midlayer.") for k in state) or "d2t" in state
     has12 = any(k.startswith("layers.0.") for k in state)

@@ -17,10 +17,11 @@ import torch
 from torch import nn
 
 from .base import BaseModel
-from .checkpoint import build_draft_head, read_checkpoint
+from .checkpoint import build_draft_head, read_acceptance_profile, read_checkpoint
 from .draft import Drafter
 from .draft_head import DraftHead
 from .generate import Budget, Round, TreeSpec, eagle_rounds, vanilla_rounds
+from .tuner import TreeChoice, tune
 from .verify import SamplingParams, TokenPicker
 
 # End-of-turn tokens of common chat templates; those present in the vocabulary stop generation.
@@ -60,6 +61,7 @@ class EaModel(nn.Module):
         self.tree = TreeSpec(total_token, depth, top_k, tuple(map(tuple, tree_choices)) if tree_choices else None)
         self._validate_tree(self.tree)
         self.stop_token_ids = self._default_stop_ids()
+        self.tree_choice: TreeChoice | None = None  # set when the tree was tuned on this machine (total_token=-1)
 
     # ---------------------------------------------------------------------------------------------------------
     @classmethod
@@ -91,7 +93,13 @@ class EaModel(nn.Module):
         head = load_head(base, config, state, use_eagle3, draft_dtype)
         model = cls(base, head, tokenizer, max(total_token, 2), depth, top_k, tree_choices)
         if total_token == -1:
-            model.tree = TreeSpec(model.pick_total_token(), depth, top_k, model.tree.choices)
+            profile = read_acceptance_profile(ea_model_path)
+            if profile is not None and not tree_choices:  # the tree that measures fastest here (tuner.py)
+                model.tree_choice = tune(model, profile["accept"]["0"])
+                c = model.tree_choice
+                model.tree = TreeSpec(c.total_token, c.depth, c.top_k, None)
+            else:
+                model.tree = TreeSpec(model.pick_total_token(), depth, top_k, model.tree.choices)
         return model.eval()
 
     def get_tokenizer(self):

@@ -1,0 +1,138 @@
+"""The EAGLE-2 tree tuned on the machine at hand (`total_token=-1` when the head ships an acceptance profile).
+
+Expected tokens per second of a tree (total_token n, depth D, top_k K) = expected tokens per round / seconds per
+round, where
+- tokens per round (tau) come from the head's acceptance profile (`eagle/train/acceptance.py`: accept[d][r], the
+  chance that the base takes the draft's rank-r candidate at depth d given the path so far was taken), following
+  `Drafter.dynamic_tree`: level 1 holds the K best children of the root, each deeper level the K best of the
+  K x K children of the level above (min(D, n - 2) expansions), and the n - 1 best nodes of all levels are verified.
+  A node's chance of being accepted is the product of accept[d][r] along its path, so the expected accepted
+  drafts are the sum of the chosen nodes' chances (nodes are ranked by that chance, as the drafter ranks them by
+  its own probabilities);
+- seconds per round are measured here: one verify pass over n rows (`BaseModel.pass_seconds`) plus one draft
+  phase of depth D and width K (commit the accepted tokens, grow the tree: `draft_seconds`).
+Measurements are cached per machine, threads, model and head (`cache_dir()/tuner`), so a second start is instant.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from dataclasses import dataclass
+
+import torch
+
+SIZES = (4, 6, 8, 12, 16, 24, 32, 40, 48, 60)
+TOP_KS = (1, 2, 3, 4, 6, 8, 10)
+
+
+@dataclass(frozen=True)
+class TreeChoice:
+    total_token: int
+    depth: int
+    top_k: int
+    tau: float  # expected tokens per round (accepted drafts + the base's own token)
+    seconds: float  # expected seconds per round
+    tokens_per_s: float
+
+
+def expected_tau(accept: list[list[float]], total_token: int, depth: int, top_k: int) -> float:
+    """1 + expected accepted draft tokens per round of the dynamic tree, from the acceptance profile."""
+    levels = min(depth, total_token - 2) + 1
+    chosen: list[float] = []
+    frontier = [1.0]
+    for level in range(min(levels, len(accept))):
+        row = accept[level][:top_k]
+        candidates = sorted((f * p for f in frontier for p in row), reverse=True)
+        chosen += candidates
+        frontier = candidates[:top_k]
+    return 1.0 + sum(sorted(chosen, reverse=True)[: total_token - 1])
+
+
+def pick_tree(accept: list[list[float]], verify_s: dict[int, float], draft_s: dict[tuple[int, int], float]) -> TreeChoice:
+    """The tree of the best expected tokens/s over the measured sizes, depths and widths."""
+    best = None
+    for n, v in verify_s.items():
+        for (depth, k), d in draft_s.items():
+            tau = expected_tau(accept, n, depth, k)
+            choice = TreeChoice(n, depth, k, tau, v + d, tau / (v + d))
+            if best is None or choice.tokens_per_s > best.tokens_per_s:
+                best = choice
+    return best
+
+
+@torch.inference_mode()
+def draft_seconds(model, depths, top_ks, context: int = 256, repeats: int = 5) -> dict[tuple[int, int], float]:
+    """Median seconds of one draft phase per (depth, top_k): commit two accepted tokens, then grow the tree."""
+    from .draft import Drafter
+
+    head = model.ea_layer
+    drafter = Drafter(head, model.base.lm_head, context + 2 + max(depths) * max(top_ks))
+    features = torch.randn(context + 2, head.config.feature_size, dtype=drafter.dtype)
+    tokens = torch.randint(0, model.vocab_size, (context + 2,)).tolist()
+    drafter.commit(features[:context], tokens[:context])
+    cuda = drafter.device.type == "cuda"
+    out = {}
+    for depth in depths:
+        for k in top_ks:
+            times = []
+            for _ in range(repeats + 1):
+                if cuda:
+                    torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                drafter.commit(features[context:], tokens[context:])
+                drafter.dynamic_tree(tokens[-1], 2 + depth * k, depth, k)
+                if cuda:
+                    torch.cuda.synchronize()
+                times.append(time.perf_counter() - t0)
+                drafter.cache.length = context
+            out[(depth, k)] = sorted(times[1:])[repeats // 2]
+    return out
+
+
+def _cache_key(model) -> str:
+    from eagle.evaluation.floor import cpu_description
+
+    base = model.base_model
+    device = str(model.base.lm_head.weight.device)
+    what = {
+        "cpu": cpu_description(), "device": device, "threads": torch.get_num_threads(), "torch": torch.__version__,
+        "gpu": torch.cuda.get_device_name() if device.startswith("cuda") else None,
+        "base": getattr(base.config, "_name_or_path", ""), "base_config": base.config.to_json_string(),
+        "base_dtype": str(model.base.dtype), "head": str(model.ea_layer.config),
+        "head_dtype": str(model.ea_layer.fc.weight.dtype),
+    }  # fmt: skip
+    return hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()[:20]
+
+
+def measured_costs(model, depth_max: int, log=None) -> tuple[dict[int, float], dict[tuple[int, int], float]]:
+    """(verify seconds per size, draft seconds per (depth, top_k)), measured once per machine + model + head."""
+    from eagle.fetch import cache_dir
+
+    path = cache_dir() / "tuner" / f"{_cache_key(model)}.json"
+    if path.is_file():
+        saved = json.loads(path.read_text())
+        if saved.get("depth_max", 0) >= depth_max:
+            verify = {int(n): s for n, s in saved["verify"].items()}
+            draft = {tuple(map(int, key.split(","))): s for key, s in saved["draft"].items()}
+            return verify, {key: s for key, s in draft.items() if key[0] <= depth_max}
+    t0 = time.perf_counter()
+    verify = model.base.pass_seconds(list(SIZES))
+    draft = draft_seconds(model, range(1, depth_max + 1), TOP_KS)
+    if log:
+        log(f"tree tuner: measured {len(verify)} verify sizes and {len(draft)} draft shapes in "
+            f"{time.perf_counter() - t0:.1f} s (cached in {path})")  # fmt: skip
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"depth_max": depth_max, "verify": verify,
+                               "draft": {f"{d},{k}": s for (d, k), s in draft.items()}}, indent=1))  # fmt: skip
+    tmp.replace(path)
+    return verify, draft
+
+
+def tune(model, accept: list[list[float]], log=None) -> TreeChoice:
+    """Measure (or read the cached) costs and pick the tree for `model` with acceptance profile `accept`."""
+    verify, draft = measured_costs(model, len(accept), log)
+    widest = len(accept[0])
+    return pick_tree(accept, verify, {key: s for key, s in draft.items() if key[1] <= widest})

@@ -1,0 +1,106 @@
+"""The tree tuner: expected accepted length from an acceptance profile (against a simulation), the pick (against
+a hand computation and cost shapes), the per-machine/model/head cost cache, and `total_token=-1` end to end."""
+
+import json
+import random
+
+import pytest
+import torch
+from tiny import random_draft, save_base, tiny_base
+
+from eagle.model import tuner
+from eagle.model.ea_model import EaModel
+from eagle.model.tuner import expected_tau, pick_tree
+
+
+def _simulated_tau(accept, total_token, depth, top_k, rounds=40000, seed=0):
+    """Monte Carlo: each level's base token is rank r with probability accept[level][r] (else none of the draft's);
+    the round accepts drafts while the base's token is a verified node. Nodes are the ones `expected_tau` keeps."""
+    levels = min(depth, total_token - 2) + 1
+    nodes, frontier = [], [((), 1.0)]  # (rank path, chance)
+    for level in range(min(levels, len(accept))):
+        cands = sorted(((path + (r,), c * accept[level][r]) for path, c in frontier for r in range(top_k)),
+                       key=lambda x: -x[1])  # fmt: skip
+        nodes += cands
+        frontier = cands[:top_k]
+    kept = {path for path, _ in sorted(nodes, key=lambda x: -x[1])[: total_token - 1]}
+    rng, total = random.Random(seed), 0
+    for _ in range(rounds):
+        path = ()
+        for level in range(len(accept)):
+            u, r = rng.random(), 0
+            while r < len(accept[level]) and u >= accept[level][r]:
+                u -= accept[level][r]
+                r += 1
+            if r == len(accept[level]) or path + (r,) not in kept:
+                break
+            path += (r,)
+        total += 1 + len(path)
+    return total / rounds
+
+
+@pytest.mark.parametrize("tree", [(4, 3, 3), (8, 4, 2), (16, 5, 4), (60, 7, 10), (2, 7, 10)])
+def test_expected_tau_matches_a_simulation_of_the_rounds(tree):
+    accept = [[0.55, 0.15, 0.08, 0.05] + [0.01] * 6, *[[0.45, 0.12, 0.06, 0.04] + [0.01] * 6] * 6]
+    assert expected_tau(accept, *tree) == pytest.approx(_simulated_tau(accept, *tree), abs=0.02)
+
+
+def test_expected_tau_by_hand():
+    accept = [[0.5, 0.2], [0.5, 0.2]]
+    assert expected_tau(accept, 2, 2, 2) == pytest.approx(1.5)  # one node: the root's best child
+    assert expected_tau(accept, 4, 2, 2) == pytest.approx(1 + 0.5 + 0.25 + 0.2)
+    assert expected_tau(accept, 4, 2, 1) == pytest.approx(1 + 0.5 + 0.25)  # width 1: a chain
+
+
+def test_pick_follows_the_cost_shape():
+    accept = [[0.6, 0.15, 0.05] + [0.02] * 7] * 7
+    draft = {(d, k): 0.001 * d * (1 + 0.1 * k) for d in range(1, 8) for k in (1, 2, 3, 4, 6, 8, 10)}
+    flat = {n: 0.020 for n in tuner.SIZES}  # a GPU: verifying 60 rows costs what 4 do
+    steep = {n: 0.020 * (1 + 0.25 * (n - 1)) for n in tuner.SIZES}  # a small CPU: each row costs a quarter step
+    big, small = pick_tree(accept, flat, draft), pick_tree(accept, steep, draft)
+    assert big.total_token == 60 and small.total_token == 4
+    for choice, verify in ((big, flat), (small, steep)):  # the best of the whole grid, and its figures add up
+        assert choice.tokens_per_s == max(expected_tau(accept, n, d, k) / (verify[n] + s)
+                                          for n in verify for (d, k), s in draft.items())  # fmt: skip
+        assert choice.tokens_per_s == pytest.approx(choice.tau / choice.seconds)
+
+
+@pytest.fixture()
+def folders(tmp_path, monkeypatch):
+    monkeypatch.setenv("EAGLE_CACHE", str(tmp_path / "cache"))
+    base = tiny_base("llama")
+    save_base(base, str(tmp_path / "base"))
+    head = random_draft(base, str(tmp_path / "head"), eagle3=True)
+    profile = {"accept": {"0": [[0.6, 0.2, 0.1], [0.5, 0.2, 0.1], [0.5, 0.2, 0.1]]}}
+    (tmp_path / "head" / "acceptance.json").write_text(json.dumps(profile))
+    return str(tmp_path / "base"), head
+
+
+def test_total_token_minus_one_tunes_with_the_profile_and_stays_lossless(folders, monkeypatch):
+    calls = []
+    measure = tuner.draft_seconds
+    monkeypatch.setattr(tuner, "draft_seconds", lambda *a, **k: calls.append(1) or measure(*a, **k))
+    model = EaModel.from_pretrained(*folders, total_token=-1, dtype=torch.float32)
+    c = model.tree_choice
+    assert (model.tree.total_token, model.tree.depth, model.tree.top_k) == (c.total_token, c.depth, c.top_k)
+    assert c.top_k <= 3 and c.depth <= 3 and c.tokens_per_s > 0
+    ids = torch.tensor([[3, 4, 5, 6]])
+    ref = model.base_model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=24,
+                                    min_new_tokens=24)  # fmt: skip
+    assert model.eagenerate(ids, max_new_tokens=24, stop_token_ids=[]).tolist() == ref.tolist()
+    EaModel.from_pretrained(*folders, total_token=-1, dtype=torch.float32)  # the same machine, model and head
+    assert len(calls) == 1  # costs came from the cache the second time
+
+
+def test_cost_cache_key_changes_with_machine_model_and_head(folders, monkeypatch):
+    model = EaModel.from_pretrained(*folders, dtype=torch.float32)
+    key = tuner._cache_key(model)
+    assert tuner._cache_key(model) == key
+    model.ea_layer.to(torch.bfloat16)
+    assert tuner._cache_key(model) != key  # the head's dtype
+    model.ea_layer.to(torch.float32)
+    model.base_model.config.rms_norm_eps = 1e-3
+    assert tuner._cache_key(model) != key  # the model
+    model.base_model.config.rms_norm_eps = 1e-5
+    monkeypatch.setattr("eagle.evaluation.floor.cpu_description", lambda: {"model": "another CPU"})
+    assert tuner._cache_key(model) != key  # the machine
