@@ -207,6 +207,19 @@ class DraftHead(nn.Module):
             self.layers = nn.ModuleList([DraftLayer(cfg)])
         self.rotary_emb = LlamaRotaryEmbedding(cfg.rope_config())
 
+    def _apply(self, fn, recurse=True):
+        """`.to(dtype)`, `.half()`... cast every floating buffer; the rotary frequencies stay float32 whatever the
+        head's dtype, as the reference computes them (bf16 rounds a frequency by up to 2^-9 of itself: an angle
+        error that grows with the position, ~2.7 rad at position 2000 for SmolLM2's second frequency)."""
+        rope = self.rotary_emb
+        kept = {name: b for name, b in rope.named_buffers(recurse=False) if b.dtype == torch.float32}
+        super()._apply(fn, recurse)
+        for name, b in kept.items():
+            moved = getattr(rope, name)
+            if not b.is_meta and not moved.is_meta:
+                setattr(rope, name, b.to(moved.device))
+        return self
+
     @property
     def eagle3(self) -> bool:
         return self.config.eagle3
