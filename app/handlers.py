@@ -46,7 +46,7 @@ def _notice_html(notice: str) -> str:
 def chat_messages(state: dict, highlight: bool = True) -> list[dict]:
     msgs = []
     for t in state["turns"]:
-        msgs.append({"role": "user", "content": _text(t["user"])})
+        msgs.append({"role": "user", "content": _text(html.escape(t["user"]))})  # shown as typed, never as HTML
         if t["reply"] is None and not t.get("notice"):
             continue
         body = render(t["reply"] or "", t["marks"], highlight and t.get("eagle", True)) if t["reply"] else ""

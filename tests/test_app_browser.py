@@ -140,6 +140,20 @@ def set_number(driver, elem_id: str, value):
     box.send_keys(Keys.TAB)
 
 
+def test_typed_html_shows_as_text_and_loads_nothing(page):
+    driver, _ = page
+    driver.find_element(By.ID, "clear").click()
+    typed = "<img src=x onerror=alert(1)> and <b>bold?</b>"
+    send(driver, typed)
+    user = "document.querySelector('#chat .message.user, #chat .user')"
+    wait_for(driver, f"{user} && {user}.innerText.includes('onerror')", 60)
+    assert typed in driver.execute_script(f"return {user}.innerText;")
+    assert driver.execute_script(f"return {user}.querySelectorAll('img, b').length;") == 0
+    requested = driver.execute_script("return performance.getEntriesByType('resource').map(e => e.name);")
+    assert not [u for u in requested if u.rstrip("/").endswith("/x")]
+    wait_for(driver, f"{FIGURES}.includes('tokens/s') && !{FIGURES}.includes('generating')", 180)
+
+
 def test_stop_then_send_again_in_the_browser(page):
     driver, real = page
     driver.find_element(By.ID, "clear").click()
