@@ -33,8 +33,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="auto", choices=DTYPES,
                    help="weights dtype; auto = float32 on CPU, float16 on GPU (bfloat16 for qwen2)")  # fmt: skip
     p.add_argument("--draft-dtype", default="auto", choices=DTYPES,
-                   help="draft head dtype; auto = bfloat16 under a float32 base on a CPU with native bf16 "
-                   "(lossless: the base verifies every token), else the base's")  # fmt: skip
+                   help="draft head dtype; auto = under a float32 base on CPU, float32 or bfloat16, whichever "
+                   "drafts faster on this machine (timed once, cached; lossless: the base verifies every token), "
+                   "else the base's")  # fmt: skip
     p.add_argument("--device-map", default=None, help="transformers device_map (default: auto on GPU, cpu)")
     p.add_argument("--max-new-tokens", type=int, default=512, help="default reply length limit (default 512)")
     p.add_argument("--max-length", type=int, default=2048,

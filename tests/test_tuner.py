@@ -104,3 +104,15 @@ def test_cost_cache_key_changes_with_machine_model_and_head(folders, monkeypatch
     model.base_model.config.rms_norm_eps = 1e-5
     monkeypatch.setattr("eagle.evaluation.floor.cpu_description", lambda: {"model": "another CPU"})
     assert tuner._cache_key(model) != key  # the machine
+
+
+def test_draft_dtype_auto_keeps_the_faster_dtype_measured_here(folders, monkeypatch):
+    timings = {torch.float32: 0.002, torch.bfloat16: 0.001}
+    monkeypatch.setattr(tuner, "draft_seconds", lambda model, *a, **k: {(3, 4): timings[model.ea_layer.fc.weight.dtype]})
+    model = EaModel.from_pretrained(*folders, draft_dtype="auto", dtype=torch.float32)
+    assert model.ea_layer.fc.weight.dtype == torch.bfloat16
+    assert model.ea_layer.rotary_emb.inv_freq.dtype == torch.float32
+    timings[torch.bfloat16] = 0.003  # slower now, but the cached measurement of this machine + model + head holds
+    assert EaModel.from_pretrained(*folders, draft_dtype="auto", dtype=torch.float32).ea_layer.fc.weight.dtype == torch.bfloat16
+    monkeypatch.setenv("EAGLE_CACHE", str(folders[0]) + "-other-cache")  # a fresh measurement
+    assert EaModel.from_pretrained(*folders, draft_dtype="auto", dtype=torch.float32).ea_layer.fc.weight.dtype == torch.float32

@@ -85,23 +85,14 @@ def pick_dtype(dtype: str, mtype: ModelType, cuda: bool):
     return getattr(torch, dtype)
 
 
-def cpu_has_bf16() -> bool:
-    """Whether this CPU multiplies bfloat16 natively (AVX512-BF16 or AMX): where it does not, bf16 is slower."""
-    import torch
-
-    try:
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    except (AttributeError, RuntimeError):
-        return False
-
-
 def pick_draft_dtype(draft_dtype: str, base_dtype, cuda: bool):
-    """The draft head's dtype; None = the base's. auto = bfloat16 under a float32 base on a CPU with native
-    bf16 (about half the draft time, and lossless: the base verifies every token), else the base's."""
+    """The draft head's dtype; None = the base's. auto = "auto" under a float32 base on CPU (EaModel times the
+    head in float32 and bfloat16 on this machine and keeps the faster: lossless, the base verifies every token),
+    else the base's."""
     import torch
 
     if draft_dtype == "auto":
-        return torch.bfloat16 if not cuda and base_dtype is torch.float32 and cpu_has_bf16() else None
+        return "auto" if not cuda and base_dtype is torch.float32 else None
     if draft_dtype not in DTYPES:
         raise ModelLoadError(f"unknown draft dtype {draft_dtype!r}; choose one of {', '.join(DTYPES)}")
     return getattr(torch, draft_dtype)
@@ -236,7 +227,6 @@ def load(
     torch_dtype = pick_dtype(dtype, mtype, cuda)
     dtype_name = str(torch_dtype).replace("torch.", "")
     head_dtype = pick_draft_dtype(draft_dtype, torch_dtype, cuda)
-    head_dtype_name = str(head_dtype).replace("torch.", "") if head_dtype not in (None, torch_dtype) else ""
     if device_map is None:
         device_map = "auto" if cuda else None
     elif device_map == "cpu":
@@ -260,8 +250,8 @@ def load(
     log(f"      base: {base}\n      head: {head}")
 
     where = "GPU (device_map=auto)" if device_map == "auto" else f"device_map={device_map}" if device_map else "CPU"
-    head_note = f" (head {head_dtype_name})" if head_dtype_name else ""
-    log(f"[2/{stages}] loading weights: {dtype_name}{head_note} on {where} ...")
+    head_note = {None: "", "auto": " (head dtype timed here)"}.get(head_dtype, f" (head {head_dtype})")
+    log(f"[2/{stages}] loading weights: {dtype_name}{head_note.replace('torch.', '')} on {where} ...")
     kwargs = {"dtype": torch_dtype, "low_cpu_mem_usage": True}
     if device_map:
         kwargs["device_map"] = device_map
@@ -275,7 +265,10 @@ def load(
     seconds = time.perf_counter() - t0
     device = str(next(model.base_model.parameters()).device)
     kind = "EAGLE-3" if model.use_eagle3 else "EAGLE-1/2"
-    log(f"      loaded in {seconds:.1f} s ({kind} head, tree: {tree_description(model)})")
+    head_dtype = model.ea_layer.fc.weight.dtype
+    head_dtype_name = str(head_dtype).replace("torch.", "") if head_dtype is not torch_dtype else ""
+    log(f"      loaded in {seconds:.1f} s ({kind} head{' in ' + head_dtype_name if head_dtype_name else ''}, "
+        f"tree: {tree_description(model)})")  # fmt: skip
     return LoadedModel(
         model, mtype, base, head, str(base_name), str(head_name), dtype_name, device, seconds, head_dtype_name
     )

@@ -27,8 +27,8 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--top-k", type=int, default=None, help="EAGLE-2 tree: branching (default: 10 on GPU, 3 on CPU)")
     g.add_argument("--dtype", choices=DTYPES, default="auto", help="auto: float32 on CPU, the type's dtype on GPU")
     g.add_argument("--draft-dtype", choices=DTYPES, default="auto",
-                   help="the head's dtype; auto: bfloat16 under a float32 base on a CPU with native bf16, "
-                   "else the base's")  # fmt: skip
+                   help="the head's dtype; auto: under a float32 base on CPU, float32 or bfloat16, whichever "
+                   "drafts faster on this machine (timed once, cached), else the base's")  # fmt: skip
     g.add_argument("--device-map", default=None, help="transformers device_map (default: 'auto' on GPU, CPU otherwise)")
 
 

@@ -21,7 +21,7 @@ from .checkpoint import build_draft_head, read_acceptance_profile, read_checkpoi
 from .draft import Drafter
 from .draft_head import DraftHead
 from .generate import Budget, Round, TreeSpec, eagle_rounds, vanilla_rounds
-from .tuner import TreeChoice, tune
+from .tuner import TreeChoice, faster_draft_dtype, tune
 from .verify import SamplingParams, TokenPicker
 
 # End-of-turn tokens of common chat templates; those present in the vocabulary stop generation.
@@ -75,8 +75,9 @@ class EaModel(nn.Module):
 
         `use_eagle3` forces the draft format (None = detect from the keys). `threshold` is accepted for
         compatibility and unused, as in the reference. `tree_choices` selects an EAGLE-1 static tree.
-        `draft_dtype` runs the head in another dtype than the base (None = the base's): the head only proposes
-        tokens and the base verifies them, so a bfloat16 head under a float32 base stays lossless."""
+        `draft_dtype` runs the head in another dtype than the base (None = the base's; "auto" = bfloat16 where a
+        float32 CPU head drafts faster in it, timed here): the head only proposes tokens and the base verifies
+        them, so a bfloat16 head under a float32 base stays lossless."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         if base_model_path is None or ea_model_path is None:
@@ -90,8 +91,10 @@ class EaModel(nn.Module):
         tokenizer = AutoTokenizer.from_pretrained(base_model_path, **tok_kwargs)
         base = AutoModelForCausalLM.from_pretrained(base_model_path, **kwargs).eval()
         config, state = read_checkpoint(ea_model_path)
-        head = load_head(base, config, state, use_eagle3, draft_dtype)
+        head = load_head(base, config, state, use_eagle3, None if draft_dtype == "auto" else draft_dtype)
         model = cls(base, head, tokenizer, max(total_token, 2), depth, top_k, tree_choices)
+        if draft_dtype == "auto" and head.fc.weight.dtype == torch.float32 and head.fc.weight.device.type == "cpu":
+            model.ea_layer.to(faster_draft_dtype(model))  # bf16 where it drafts faster on this CPU
         if total_token == -1:
             profile = read_acceptance_profile(ea_model_path)
             if profile is not None and not tree_choices:  # the tree that measures fastest here (tuner.py)
