@@ -2,6 +2,7 @@
 a hand computation and cost shapes), the per-machine/model/head cost cache, and `total_token=-1` end to end."""
 
 import json
+import os
 import random
 
 import pytest
@@ -116,3 +117,16 @@ def test_draft_dtype_auto_keeps_the_faster_dtype_measured_here(folders, monkeypa
     assert EaModel.from_pretrained(*folders, draft_dtype="auto", dtype=torch.float32).ea_layer.fc.weight.dtype == torch.bfloat16
     monkeypatch.setenv("EAGLE_CACHE", str(folders[0]) + "-other-cache")  # a fresh measurement
     assert EaModel.from_pretrained(*folders, draft_dtype="auto", dtype=torch.float32).ea_layer.fc.weight.dtype == torch.float32
+
+
+def test_no_tree_option_means_tuned_when_the_head_ships_a_profile(folders):
+    from eagle.chat.model_types import ModelType, load
+
+    mtype = ModelType("custom", *folders, "chat-template")
+    tuned = load(mtype, dtype="float32", log=lambda *a: None).model
+    assert tuned.tree_choice is not None
+    given = load(mtype, total_token=6, dtype="float32", log=lambda *a: None).model
+    assert given.tree_choice is None and given.tree.total_token == 6  # an explicit option wins
+    os.remove(os.path.join(folders[1], "acceptance.json"))
+    plain = load(mtype, dtype="float32", log=lambda *a: None).model
+    assert plain.tree_choice is None and plain.tree.total_token == mtype.cpu_tree[0]

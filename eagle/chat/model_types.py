@@ -214,9 +214,11 @@ def load(
 ) -> LoadedModel:  # fmt: skip
     """Resolve and load base + head, reporting stages through `log` ("[1/stages] ...", "[2/stages] ...";
     a caller with more stages of its own, like the app's warm-up, passes their total). Tree options left None
-    take the model type's default for this device. Raises ModelLoadError with a readable message."""
+    take the model type's default for this device, or, with none given and a head that ships an acceptance profile,
+    the tree tuned on this machine (total_token=-1). Raises ModelLoadError with a readable message."""
     import torch
 
+    tree_given = (total_token, depth, top_k) != (None, None, None)
     default = mtype.default_tree(torch.cuda.is_available())
     total_token, depth, top_k = (v if v is not None else d for v, d in zip((total_token, depth, top_k), default))
 
@@ -248,6 +250,8 @@ def load(
     else:
         base = resolve(base_name, "base model", "--base-model-path", False, log)
     log(f"      base: {base}\n      head: {head}")
+    if not tree_given and os.path.isfile(os.path.join(head, "acceptance.json")):
+        total_token = -1  # the head's acceptance profile and this machine's timings pick the tree (tuner.py)
 
     where = "GPU (device_map=auto)" if device_map == "auto" else f"device_map={device_map}" if device_map else "CPU"
     head_note = {None: "", "auto": " (head dtype timed here)"}.get(head_dtype, f" (head {head_dtype})")
