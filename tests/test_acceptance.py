@@ -1,4 +1,5 @@
-"""The acceptance profile: rank hits at T=0 and sampling mass at T>0, checked by hand on a tiny head."""
+"""The acceptance profile: rank hits at T=0 and sampling mass at T>0, checked by hand on a tiny head; the
+batched feature extraction that feeds it (and training) equals one sequence at a time."""
 
 import torch
 from tiny import draft_config, tiny_base
@@ -48,3 +49,18 @@ def test_sampling_profile_is_the_base_probability_of_each_candidate():
     live = torch.tensor([T - 2, T - 3, T - 4], dtype=torch.float)
     assert torch.equal(sums["count/0.7"], live)
     assert torch.allclose(sums["hits/0.7"], live[:, None].expand(3, 5) / V)
+
+
+def test_batched_feature_extraction_equals_one_sequence_at_a_time():
+    from eagle.train.data import FeatureExtractor
+
+    base = tiny_base("llama", vocab=V, layers=8)
+    extractor = FeatureExtractor(base, eagle3=True)
+    g = torch.Generator().manual_seed(0)
+    seqs = [torch.randint(0, V, (n,), generator=g) for n in (5, 17, 9, 17, 3)]
+    alone = extractor.many(seqs, batch_tokens=0)
+    batched = extractor.many(seqs, batch_tokens=64)  # right-padded batches of up to 64 padded tokens
+    for a, b, s in zip(alone, batched, seqs):
+        assert a["hidden"].shape[0] == b["taps"].shape[0] == len(s)
+        assert torch.equal(a["argmax"], b["argmax"])
+        assert torch.allclose(a["hidden"], b["hidden"], atol=1e-5) and torch.allclose(a["taps"], b["taps"], atol=1e-5)
