@@ -130,3 +130,15 @@ def test_no_tree_option_means_tuned_when_the_head_ships_a_profile(folders):
     os.remove(os.path.join(folders[1], "acceptance.json"))
     plain = load(mtype, dtype="float32", log=lambda *a: None).model
     assert plain.tree_choice is None and plain.tree.total_token == mtype.cpu_tree[0]
+
+
+def test_the_shipped_head_carries_a_usable_acceptance_profile():
+    from eagle.chat.model_types import DEFAULT_HEAD_DIR
+    from eagle.model.checkpoint import read_acceptance_profile
+
+    profile = read_acceptance_profile(str(DEFAULT_HEAD_DIR))
+    for key in ("0", "0.7"):
+        rows = profile["accept"][key]
+        assert len(rows) == 7 and all(len(r) == 10 and 0 < sum(r) <= 1 for r in rows)
+        assert all(r[0] >= r[1] >= r[2] for r in rows)  # the draft's ranking is the base's, on average
+    assert 1.5 < expected_tau(profile["accept"]["0"], 4, 3, 3) < 2.5
