@@ -142,3 +142,30 @@ def test_the_shipped_head_carries_a_usable_acceptance_profile():
         assert len(rows) == 7 and all(len(r) == 10 and 0 < sum(r) <= 1 for r in rows)
         assert all(r[0] >= r[1] >= r[2] for r in rows)  # the draft's ranking is the base's, on average
     assert 1.5 < expected_tau(profile["accept"]["0"], 4, 3, 3) < 2.5
+
+
+def test_few_row_kernels_auto_keeps_them_only_where_they_time_faster(folders, monkeypatch):
+    from eagle.model import few_rows
+    from eagle.model.base import BaseModel
+
+    def kernels(model):
+        return any(type(m) is few_rows.FewRowLinear for m in model.base_model.modules())
+
+    fast = {"few_rows": 0.001, "plain": 0.002}
+
+    def timed(self, rows, *a, **k):
+        on = any(type(m) is few_rows.FewRowLinear for m in self.model.modules())
+        return {n: fast["few_rows" if on else "plain"] for n in rows}
+
+    monkeypatch.setattr(BaseModel, "pass_seconds", timed)
+    assert kernels(EaModel.from_pretrained(*folders, few_row_kernels="auto", dtype=torch.float32))
+    monkeypatch.setenv("EAGLE_CACHE", str(folders[0]) + "-xeon")  # another machine, where they lose
+    fast.update(few_rows=0.003)
+    slow = EaModel.from_pretrained(*folders, few_row_kernels="auto", dtype=torch.float32)
+    assert not kernels(slow)
+    ids = torch.tensor([[3, 4, 5, 6]])
+    ref = slow.base_model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=16,
+                                   min_new_tokens=16)  # fmt: skip
+    assert slow.eagenerate(ids, max_new_tokens=16, stop_token_ids=[]).tolist() == ref.tolist()
+    assert kernels(EaModel.from_pretrained(*folders, dtype=torch.float32))  # True: the API's default
+    assert not kernels(EaModel.from_pretrained(*folders, few_row_kernels=False, dtype=torch.float32))

@@ -210,7 +210,7 @@ def tree_description(model) -> str:
 def load(
     mtype: ModelType, base_path: str | None = None, head_path: str | None = None, total_token: int | None = None,
     depth: int | None = None, top_k: int | None = None, dtype: str = "auto", device_map: str | None = None,
-    log=print, stages: int = 2, draft_dtype: str = "auto",
+    log=print, stages: int = 2, draft_dtype: str = "auto", few_row_kernels: bool | str = "auto",
 ) -> LoadedModel:  # fmt: skip
     """Resolve and load base + head, reporting stages through `log` ("[1/stages] ...", "[2/stages] ...";
     a caller with more stages of its own, like the app's warm-up, passes their total). Tree options left None
@@ -261,8 +261,9 @@ def load(
         kwargs["device_map"] = device_map
     try:
         model = EaModel.from_pretrained(
-            base, head, total_token=total_token, depth=depth, top_k=top_k, draft_dtype=head_dtype, **kwargs
-        )
+            base, head, total_token=total_token, depth=depth, top_k=top_k, draft_dtype=head_dtype,
+            few_row_kernels=few_row_kernels, **kwargs,
+        )  # fmt: skip
     except (OSError, ValueError, KeyError, RuntimeError) as e:
         what = f"base {base_name!r}, head {head_name!r}"
         raise ModelLoadError(f"loading failed ({what}): {type(e).__name__}: {e}") from None

@@ -42,10 +42,11 @@ def pick_type(args) -> ModelType:
     return MODEL_TYPES["smollm2"]
 
 
-def load_from_args(args, log=print) -> LoadedModel:
+def load_from_args(args, log=print, few_row_kernels: bool | str = "auto") -> LoadedModel:
     """Load the EaModel the options describe (base, head, tree defaults, dtype, device map)."""
     return load(pick_type(args), args.base_model_path, args.ea_model_path, args.total_token, args.depth,
-                args.top_k, args.dtype, args.device_map, log=log, draft_dtype=args.draft_dtype)  # fmt: skip
+                args.top_k, args.dtype, args.device_map, log=log, draft_dtype=args.draft_dtype,
+                few_row_kernels=few_row_kernels)  # fmt: skip
 
 
 def device_name(device: str) -> str:

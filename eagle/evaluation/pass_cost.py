@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> dict:
         rows = sorted({int(r) for r in args.rows.split(",")})
         if rows[0] < 1 or args.context < 1 or args.repeats < 1:
             raise ValueError("--rows, --context and --repeats must be >= 1")
-        loaded = load_from_args(args, log)
+        loaded = load_from_args(args, log, few_row_kernels=True)  # both kinds of layer are timed below
     result = measure(loaded.model, rows, args.context, args.repeats)
     bound = floor(loaded.model.base_model, loaded.device)
     result.update(device=device_name(loaded.device), cpu=cpu_description(), floor=bound, model=loaded.describe(),

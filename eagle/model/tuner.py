@@ -102,6 +102,7 @@ def _cache_key(model) -> str:
         "base": getattr(base.config, "_name_or_path", ""), "base_config": base.config.to_json_string(),
         "base_dtype": str(model.base.dtype), "head": str(model.ea_layer.config),
         "head_dtype": str(model.ea_layer.fc.weight.dtype),
+        "few_row_kernels": any(type(m).__name__ == "FewRowLinear" for m in base.modules()),
     }  # fmt: skip
     return hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()[:20]
 
@@ -129,6 +130,33 @@ def measured_costs(model, depth_max: int, log=None) -> tuple[dict[int, float], d
                                "draft": {f"{d},{k}": s for (d, k), s in draft.items()}}, indent=1))  # fmt: skip
     tmp.replace(path)
     return verify, draft
+
+
+def few_row_kernels_pay(model, log=None) -> bool:
+    """Whether `few_rows.py`'s kernels beat plain nn.Linear for the 1-4 row passes of decoding on this machine
+    (timed once per machine + model, cached): they won 27 vs 43 ms a step on an AMD EPYC and lost 134 vs 62 ms on
+    an Intel Xeon, so the choice is a measurement, never a CPU flag."""
+    from eagle.fetch import cache_dir
+
+    from . import few_rows
+
+    path = cache_dir() / "tuner" / f"{_cache_key(model)}-few-rows.json"
+    if path.is_file():
+        seconds = json.loads(path.read_text())
+    else:
+        rows = [1, 2, 4]
+        seconds = {"few_rows": sum(model.base.pass_seconds(rows).values())}
+        few_rows.uninstall(model.base_model)
+        try:
+            seconds["plain"] = sum(model.base.pass_seconds(rows).values())
+        finally:
+            few_rows.install(model.base_model)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(seconds))
+        if log:
+            log(f"1-4 row passes: {1e3 * seconds['few_rows']:.0f} ms with the few-row kernels, "
+                f"{1e3 * seconds['plain']:.0f} ms with nn.Linear")  # fmt: skip
+    return seconds["few_rows"] < seconds["plain"]
 
 
 def faster_draft_dtype(model, candidate: torch.dtype = torch.bfloat16, log=None) -> torch.dtype:
