@@ -15,7 +15,8 @@ from eagle.train.bundle import BundleError, pack, unpack
 from eagle.train.gpu_recipe import build_parser, generate, main, read_openings
 
 VOCAB = 64
-TEMPLATE = "{% for m in messages %}<s> {{ m['content'] }} </s> {% endfor %}{% if add_generation_prompt %}<s> {% endif %}"
+TEMPLATE = ("{% for m in messages %}<s> {{ m['content'] }} </s> {% endfor %}"
+            "{% if add_generation_prompt %}<s> {% endif %}")
 
 
 def test_bundle_round_trips_across_folders_and_names_bad_parts(tmp_path):

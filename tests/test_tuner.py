@@ -109,14 +109,18 @@ def test_cost_cache_key_changes_with_machine_model_and_head(folders, monkeypatch
 
 def test_draft_dtype_auto_keeps_the_faster_dtype_measured_here(folders, monkeypatch):
     timings = {torch.float32: 0.002, torch.bfloat16: 0.001}
-    monkeypatch.setattr(tuner, "draft_seconds", lambda model, *a, **k: {(3, 4): timings[model.ea_layer.fc.weight.dtype]})
+    monkeypatch.setattr(tuner, "draft_seconds", lambda m, *a, **k: {(3, 4): timings[m.ea_layer.fc.weight.dtype]})
+
+    def head_dtype():
+        return EaModel.from_pretrained(*folders, draft_dtype="auto", dtype=torch.float32).ea_layer.fc.weight.dtype
+
     model = EaModel.from_pretrained(*folders, draft_dtype="auto", dtype=torch.float32)
     assert model.ea_layer.fc.weight.dtype == torch.bfloat16
     assert model.ea_layer.rotary_emb.inv_freq.dtype == torch.float32
     timings[torch.bfloat16] = 0.003  # slower now, but the cached measurement of this machine + model + head holds
-    assert EaModel.from_pretrained(*folders, draft_dtype="auto", dtype=torch.float32).ea_layer.fc.weight.dtype == torch.bfloat16
+    assert head_dtype() == torch.bfloat16
     monkeypatch.setenv("EAGLE_CACHE", str(folders[0]) + "-other-cache")  # a fresh measurement
-    assert EaModel.from_pretrained(*folders, draft_dtype="auto", dtype=torch.float32).ea_layer.fc.weight.dtype == torch.float32
+    assert head_dtype() == torch.float32
 
 
 def test_no_tree_option_means_tuned_when_the_head_ships_a_profile(folders):

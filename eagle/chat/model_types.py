@@ -165,8 +165,8 @@ def resolve(path: str, what: str, flag: str, head: bool, log=print) -> str:
             f"cannot get the {what} '{path}': it is not a local folder and the Hugging Face hub did not "
             f"deliver it ({type(e).__name__}: {reason}).\n"
             f"If you have a local copy, pass {flag} /path/to/folder. Gated models (Llama) need "
-            "`hf auth login` (huggingface-hub's command) and an accepted licence; offline use needs HF_HUB_OFFLINE=1 and a "
-            "filled cache."
+            "`hf auth login` (huggingface-hub's command) and an accepted licence; offline use needs "
+            "HF_HUB_OFFLINE=1 and a filled cache."
         ) from None
 
 

@@ -87,6 +87,13 @@ def _fmt(x, digits=2, suffix="") -> str:
     return "–" if x is None else f"{x:.{digits}f}{suffix}"
 
 
+def _floor_line(fl: dict | None) -> list[str]:
+    if not fl:  # results from before the floor was measured
+        return []
+    return [f"**Bandwidth floor:** {fl['tokens_per_s']:.1f} tokens/s ({fl['weight_mb']:.0f} MB of weights per token "
+            f"at {fl['bandwidth_gb_s']:.1f} GB/s measured); x floor = tokens/s ÷ that  "]  # fmt: skip
+
+
 def markdown(result: dict) -> str:
     """A self-contained markdown report: settings, the overall table, the per-category table."""
     s, m = result["settings"], result["model"]
@@ -101,8 +108,7 @@ def markdown(result: dict) -> str:
         f"max_new_tokens={s['max_new_tokens']}, temperature={s['temperature']}, "
         f"EAGLE-2 tree total_token={s['total_token']} depth={s['depth']} top_k={s['top_k']}  ",
         f"**Identical to hf (T=0):** {result['identical_to_hf'] or 'not checked'}  ",
-        *([f"**Bandwidth floor:** {fl['tokens_per_s']:.1f} tokens/s ({fl['weight_mb']:.0f} MB of weights per token at "
-           f"{fl['bandwidth_gb_s']:.1f} GB/s measured); x floor = tokens/s ÷ that  "] if (fl := result.get("floor")) else []),
+        *_floor_line(result.get("floor")),
         f"**Command:** `{result['command']}`",
         "",
         "| method | tokens/s | x floor | speedup vs hf | mean accepted tokens / base forward | identical to hf "
@@ -111,7 +117,8 @@ def markdown(result: dict) -> str:
     ]
     for name, m in result["methods"].items():
         lines.append(
-            f"| {name} | {_fmt(m['tokens_per_s'], 1)} | {_fmt(m.get('x_floor'))} | {_fmt(m['speedup_vs_hf'], 2, 'x')} | "
+            f"| {name} | {_fmt(m['tokens_per_s'], 1)} | {_fmt(m.get('x_floor'))} | "
+            f"{_fmt(m['speedup_vs_hf'], 2, 'x')} | "
             f"{_fmt(m['mean_accepted_tokens'])} | {m['identical_to_hf'] or '–'} | {m['new_tokens']} | "
             f"{_fmt(m['seconds'], 2)} |"
         )

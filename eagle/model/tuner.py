@@ -50,7 +50,9 @@ def expected_tau(accept: list[list[float]], total_token: int, depth: int, top_k:
     return 1.0 + sum(sorted(chosen, reverse=True)[: total_token - 1])
 
 
-def pick_tree(accept: list[list[float]], verify_s: dict[int, float], draft_s: dict[tuple[int, int], float]) -> TreeChoice:
+def pick_tree(
+    accept: list[list[float]], verify_s: dict[int, float], draft_s: dict[tuple[int, int], float]
+) -> TreeChoice:
     """The tree of the best expected tokens/s over the measured sizes, depths and widths."""
     best = None
     for n, v in verify_s.items():

@@ -1,6 +1,6 @@
 """Acceptance profile of a draft head: how often the base takes the draft's rank-r candidate at depth d.
 
-    python -m eagle.train.acceptance --head assets/smollm2-eagle3 --data CACHE --out assets/smollm2-eagle3/acceptance.json
+    python -m eagle.train.acceptance --head assets/smollm2-eagle3 --data HELDOUT_CACHE   # -> HEAD/acceptance.json
 
 Measured on held-out samples of a prepared cache (`python -m eagle.train prepare`), with the head unrolled exactly
 as it drafts (training-time test, `ttt.py`): at depth d the head has been fed the real tokens before it, i.e. the

@@ -94,7 +94,8 @@ def generate(base: str, openings: list[list[dict]], folder: Path, args) -> list[
         if made and time.time() - t0 > 60 * args.gen_minutes:  # every run makes at least one chunk
             log(f"generate: --gen-minutes {args.gen_minutes} reached after {c} of {len(chunks)} chunks")
             break
-        temperature = args.sample_temperature if args.sample_every and c % args.sample_every == args.sample_every - 1 else 0.0
+        sampled = args.sample_every and c % args.sample_every == args.sample_every - 1
+        temperature = args.sample_temperature if sampled else 0.0
         torch.manual_seed(args.seed + c)
         results = regenerate_first_turns(model, tokenizer, template, openings[start : start + args.gen_chunk],
                                          args.max_len, args.max_new_tokens, temperature, args.gen_batch)  # fmt: skip
@@ -157,7 +158,8 @@ def cmd_run(args) -> None:
 
     cache = work / f"cache-{len(chunk_files)}"  # a new cache when more chunks were generated
     prepare(PrepareConfig(base_model_path=str(base), out=str(cache), recipe="eagle3", max_len=args.max_len,
-                          compute_dtype="fp32", shard_size=1024, device=args.device), conversations=samples)  # fmt: skip
+                          compute_dtype="fp32", shard_size=1024, device=args.device),
+            conversations=samples)  # fmt: skip
     log("features cached")
 
     head = work / "head"
@@ -173,7 +175,8 @@ def cmd_run(args) -> None:
     bench = work / "bench"
     if args.bench_per_category:
         cmd = [sys.executable, "-m", "eagle.evaluation.bench", "--base-model-path", str(base), "--ea-model-path",
-               str(head), "--question-file", str(inputs["question.jsonl"]), "--per-category", str(args.bench_per_category),
+               str(head), "--question-file", str(inputs["question.jsonl"]),
+               "--per-category", str(args.bench_per_category),
                "--max-new-tokens", "128", "--methods", "hf,vanilla,eagle", "--out", str(bench), "--quiet",
                "--label", "GPU recipe head"]  # fmt: skip
         subprocess.run(cmd, check=False)
@@ -201,7 +204,8 @@ def write_results(work: Path, results: Path) -> None:
         for path in sorted((work / "gen").glob("chunk_*.jsonl")):
             f.write(path.read_text(encoding="utf-8"))
     files = {"generated.jsonl.gz": gen}
-    for name in ("head/config.json", "head/model.safetensors", "head/acceptance.json", "run/log.jsonl", "run/best/eval.json",
+    for name in ("head/config.json", "head/model.safetensors", "head/acceptance.json", "run/log.jsonl",
+                 "run/best/eval.json",
                  "bench/bench.json", "bench/bench.md"):  # fmt: skip
         if (work / name).is_file():
             files[name.replace("/", "-")] = work / name
