@@ -103,7 +103,7 @@ def test_cost_cache_key_changes_with_machine_model_and_head(folders, monkeypatch
     model.base_model.config.rms_norm_eps = 1e-3
     assert tuner._cache_key(model) != key  # the model
     model.base_model.config.rms_norm_eps = 1e-5
-    monkeypatch.setattr("eagle.evaluation.floor.cpu_description", lambda: {"model": "another CPU"})
+    monkeypatch.setattr(tuner, "cpu_description", lambda: {"model": "another CPU"})
     assert tuner._cache_key(model) != key  # the machine
 
 

@@ -21,7 +21,9 @@ import sys
 import torch
 from tqdm.auto import tqdm
 
-from .floor import cpu_description, floor
+from eagle.model.tuner import cpu_description
+
+from .floor import floor
 from .methods import DEFAULT_METHODS, METHODS, Settings, load_assistant, make_runners, parse_methods
 from .models import add_model_args, device_name, exit_on_bad_options, load_from_args, log
 from .prompts import build_prompts

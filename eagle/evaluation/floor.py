@@ -55,22 +55,3 @@ def floor(model: torch.nn.Module, device: str = "cpu") -> dict:
     weights = weight_bytes_per_token(model)
     return {"bandwidth_gb_s": bandwidth / 1e9, "weight_mb": weights / 1e6, "tokens_per_s": bandwidth / weights,
             "ms_per_token": 1e3 * weights / bandwidth}  # fmt: skip
-
-
-def cpu_description() -> dict:
-    """The CPU as lscpu would name it: model name, logical CPUs, and the SIMD flags that shape kernel choice."""
-    import os
-
-    info = {"model": None, "cpus": os.cpu_count(), "flags": []}
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                if key.strip() == "model name" and info["model"] is None:
-                    info["model"] = value.strip()
-                elif key.strip() == "flags" and not info["flags"]:
-                    wanted = ("avx", "fma", "amx", "bf16", "vnni", "f16c", "sse4")
-                    info["flags"] = sorted(x for x in value.split() if x.startswith(wanted) or "bf16" in x)
-    except OSError:
-        pass
-    return info

@@ -18,8 +18,9 @@ import sys
 import torch
 
 from eagle.model import few_rows
+from eagle.model.tuner import cpu_description
 
-from .floor import cpu_description, floor
+from .floor import floor
 from .models import add_model_args, device_name, exit_on_bad_options, load_from_args, log
 
 

@@ -93,9 +93,26 @@ def draft_seconds(model, depths, top_ks, context: int = 256, repeats: int = 5) -
     return out
 
 
-def _cache_key(model) -> str:
-    from eagle.evaluation.floor import cpu_description
+def cpu_description() -> dict:
+    """The CPU as lscpu would name it: model name, logical CPUs, and the SIMD flags that shape kernel choice."""
+    import os
 
+    info = {"model": None, "cpus": os.cpu_count(), "flags": []}
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name" and info["model"] is None:
+                    info["model"] = value.strip()
+                elif key.strip() == "flags" and not info["flags"]:
+                    wanted = ("avx", "fma", "amx", "bf16", "vnni", "f16c", "sse4")
+                    info["flags"] = sorted(x for x in value.split() if x.startswith(wanted) or "bf16" in x)
+    except OSError:
+        pass
+    return info
+
+
+def _cache_key(model) -> str:
     base = model.base_model
     device = str(model.base.lm_head.weight.device)
     what = {
