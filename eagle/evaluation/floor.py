@@ -8,26 +8,16 @@ tokens per weight read. `x_floor` = a method's tokens/s divided by the floor's.
 
 from __future__ import annotations
 
-import time
-
 import torch
+
+from eagle.model.timing import repeated_seconds
 
 
 def stream_bandwidth(device: str = "cpu", mib: int = 256, repeats: int = 7) -> float:
     """Bytes per second of reading a `mib`-MiB float32 tensor (torch.sum, the threads torch uses now); the best of
     `repeats` timed reads after one warm-up: the most the machine streams, so the floor is never too low."""
     x = torch.ones(mib << 18, dtype=torch.float32, device=device)  # mib MiB
-    cuda = x.is_cuda
-    best = float("inf")
-    for i in range(repeats + 1):
-        if cuda:
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        x.sum()  # returns a device scalar: the read itself
-        if cuda:
-            torch.cuda.synchronize()
-        if i:
-            best = min(best, time.perf_counter() - t0)
+    best = repeated_seconds(x.device, x.sum, repeats)[0]  # x.sum() returns a device scalar: the read itself
     return x.numel() * x.element_size() / best
 
 

@@ -14,11 +14,12 @@ is synchronised before and after.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
+
+from eagle.model.timing import timed
 
 METHODS = ("hf", "hf_pld", "hf_assisted", "vanilla", "eagle", "eagle_static")
 DEFAULT_METHODS = ("hf", "hf_pld", "vanilla", "eagle", "eagle_static")
@@ -40,18 +41,6 @@ class Settings:
 
 
 Runner = Callable[[list[int]], Output]
-
-
-def timed(device: torch.device, fn):
-    """(fn(), wall seconds), with the device synchronised before and after on CUDA."""
-    cuda = device.type == "cuda"
-    if cuda:
-        torch.cuda.synchronize(device)
-    t0 = time.perf_counter()
-    result = fn()
-    if cuda:
-        torch.cuda.synchronize(device)
-    return result, time.perf_counter() - t0
 
 
 def _generation_config(model, settings: Settings, **extra):

@@ -7,13 +7,12 @@ Features handed to the draft head:
 
 from __future__ import annotations
 
-import time
-
 import torch
 from torch import nn
 
 from . import few_rows
 from .kv_cache import TreeKVCache
+from .timing import repeated_seconds
 
 
 def eagle3_feature_layers(num_layers: int) -> tuple[int, int, int]:
@@ -92,21 +91,14 @@ class BaseModel:
     def pass_seconds(self, rows: list[int], context: int = 256, repeats: int = 5) -> dict[int, float]:
         """Median wall time of a verify-shaped forward (n new tokens after `context` cached ones, features
         included) for each n in `rows`; a first untimed call per n warms up."""
-        cuda = self.lm_head.weight.is_cuda
         cache = self.new_cache(context + max(rows))
         ids = torch.randint(0, self.vocab_size, (1, context + max(rows)))
         self.forward(ids[:, :context], torch.arange(context)[None], cache, features=False, last_logits_only=True)
         out = {}
+        device = self.lm_head.weight.device
         for n in rows:
-            times = []
-            for _ in range(repeats + 1):
-                if cuda:
-                    torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                self.forward(ids[:, context : context + n], torch.arange(context, context + n)[None], cache)
-                if cuda:
-                    torch.cuda.synchronize()
-                times.append(time.perf_counter() - t0)
-                cache.crop_to(context)
-            out[n] = sorted(times[1:])[repeats // 2]
+            new, positions = ids[:, context : context + n], torch.arange(context, context + n)[None]
+            times = repeated_seconds(device, lambda: self.forward(new, positions, cache), repeats,
+                                     after=lambda: cache.crop_to(context))  # fmt: skip
+            out[n] = times[repeats // 2]
         return out

@@ -23,6 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .timing import repeated_seconds
+
 SIZES = (4, 6, 8, 12, 16, 24, 32, 40, 48, 60)
 TOP_KS = (1, 2, 3, 4, 6, 8, 10)
 
@@ -74,23 +76,16 @@ def draft_seconds(model, depths, top_ks, context: int = 256, repeats: int = 5) -
     features = torch.randn(context + 2, head.config.feature_size, dtype=drafter.dtype)
     tokens = torch.randint(0, model.vocab_size, (context + 2,)).tolist()
     drafter.commit(features[:context], tokens[:context])
-    cuda = drafter.device.type == "cuda"
-    out = {}
-    for depth in depths:
-        for k in top_ks:
-            times = []
-            for _ in range(repeats + 1):
-                if cuda:
-                    torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                drafter.commit(features[context:], tokens[context:])
-                drafter.dynamic_tree(tokens[-1], 2 + depth * k, depth, k)
-                if cuda:
-                    torch.cuda.synchronize()
-                times.append(time.perf_counter() - t0)
-                drafter.cache.length = context
-            out[(depth, k)] = sorted(times[1:])[repeats // 2]
-    return out
+
+    def phase(depth: int, k: int) -> None:
+        drafter.commit(features[context:], tokens[context:])
+        drafter.dynamic_tree(tokens[-1], 2 + depth * k, depth, k)
+
+    def forget() -> None:  # back to the committed context
+        drafter.cache.length = context
+
+    return {(d, k): repeated_seconds(drafter.device, lambda: phase(d, k), repeats, after=forget)[repeats // 2]
+            for d in depths for k in top_ks}  # fmt: skip
 
 
 def cpu_description() -> dict:
@@ -126,13 +121,29 @@ def _cache_key(model) -> str:
     return hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()[:20]
 
 
-def measured_costs(model, depth_max: int, log=None) -> tuple[dict[int, float], dict[tuple[int, int], float]]:
-    """(verify seconds per size, draft seconds per (depth, top_k)), measured once per machine + model + head."""
+def _cache_path(model, suffix: str = ""):
     from eagle.fetch import cache_dir
 
-    path = cache_dir() / "tuner" / f"{_cache_key(model)}.json"
-    if path.is_file():
-        saved = json.loads(path.read_text())
+    return cache_dir() / "tuner" / f"{_cache_key(model)}{suffix}.json"
+
+
+def _load(path) -> dict | None:
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def _save(path, data: dict) -> None:
+    """Written whole or not at all (a temporary file renamed into place)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, indent=1))
+    tmp.replace(path)
+
+
+def measured_costs(model, depth_max: int, log=None) -> tuple[dict[int, float], dict[tuple[int, int], float]]:
+    """(verify seconds per size, draft seconds per (depth, top_k)), measured once per machine + model + head."""
+    path = _cache_path(model)
+    saved = _load(path)
+    if saved is not None:
         if saved.get("depth_max", 0) >= depth_max:
             verify = {int(n): s for n, s in saved["verify"].items()}
             draft = {tuple(map(int, key.split(","))): s for key, s in saved["draft"].items()}
@@ -143,11 +154,7 @@ def measured_costs(model, depth_max: int, log=None) -> tuple[dict[int, float], d
     if log:
         log(f"tree tuner: measured {len(verify)} verify sizes and {len(draft)} draft shapes in "
             f"{time.perf_counter() - t0:.1f} s (cached in {path})")  # fmt: skip
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"depth_max": depth_max, "verify": verify,
-                               "draft": {f"{d},{k}": s for (d, k), s in draft.items()}}, indent=1))  # fmt: skip
-    tmp.replace(path)
+    _save(path, {"depth_max": depth_max, "verify": verify, "draft": {f"{d},{k}": s for (d, k), s in draft.items()}})
     return verify, draft
 
 
@@ -155,14 +162,11 @@ def few_row_kernels_pay(model, log=None) -> bool:
     """Whether `few_rows.py`'s kernels beat plain nn.Linear for the 1-4 row passes of decoding on this machine
     (timed once per machine + model, cached): they won 27 vs 43 ms a step on an AMD EPYC and lost 134 vs 62 ms on
     an Intel Xeon, so the choice is a measurement, never a CPU flag."""
-    from eagle.fetch import cache_dir
-
     from . import few_rows
 
-    path = cache_dir() / "tuner" / f"{_cache_key(model)}-few-rows.json"
-    if path.is_file():
-        seconds = json.loads(path.read_text())
-    else:
+    path = _cache_path(model, "-few-rows")
+    seconds = _load(path)
+    if seconds is None:
         rows = [1, 2, 4]
         seconds = {"few_rows": sum(model.base.pass_seconds(rows).values())}
         few_rows.uninstall(model.base_model)
@@ -170,8 +174,7 @@ def few_row_kernels_pay(model, log=None) -> bool:
             seconds["plain"] = sum(model.base.pass_seconds(rows).values())
         finally:
             few_rows.install(model.base_model)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(seconds))
+        _save(path, seconds)
         if log:
             log(f"1-4 row passes: {1e3 * seconds['few_rows']:.0f} ms with the few-row kernels, "
                 f"{1e3 * seconds['plain']:.0f} ms with nn.Linear")  # fmt: skip
@@ -183,13 +186,10 @@ def faster_draft_dtype(model, candidate: torch.dtype = torch.bfloat16, log=None)
     each; cached like the costs). Lossless either way: the head only proposes, the base verifies."""
     import copy
 
-    from eagle.fetch import cache_dir
-
     own = model.ea_layer.fc.weight.dtype
-    path = cache_dir() / "tuner" / f"{_cache_key(model)}-draft-{str(candidate).replace('torch.', '')}.json"
-    if path.is_file():
-        seconds = json.loads(path.read_text())
-    else:
+    path = _cache_path(model, f"-draft-{str(candidate).replace('torch.', '')}")
+    seconds = _load(path)
+    if seconds is None:
         head = model.ea_layer
         seconds = {"own": draft_seconds(model, [3], [4], repeats=9)[(3, 4)]}
         try:
@@ -197,8 +197,7 @@ def faster_draft_dtype(model, candidate: torch.dtype = torch.bfloat16, log=None)
             seconds["candidate"] = draft_seconds(model, [3], [4], repeats=9)[(3, 4)]
         finally:
             model.ea_layer = head
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(seconds))
+        _save(path, seconds)
         if log:
             log(f"draft phase (depth 3, width 4): {1e3 * seconds['own']:.1f} ms in {own}, "
                 f"{1e3 * seconds['candidate']:.1f} ms in {candidate}")  # fmt: skip
