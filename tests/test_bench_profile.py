@@ -48,13 +48,15 @@ def test_profile_times_every_phase_and_restores_the_engine(folder, capsys, stati
     assert json.loads((folder / "p.json").read_text())["rounds"] == 12
 
 
-def test_pass_cost_times_each_row_count_with_and_without_the_few_row_kernels(folder, capsys):
+def test_pass_cost_times_each_row_count_with_the_plan_and_with_each_few_row_kernel(folder, capsys):
     argv = ["--base-model-path", str(folder / "base"), "--ea-model-path", str(folder / "head"), "--rows", "4,1,2",
             "--context", "8", "--repeats", "2", "--json", str(folder / "c.json")]  # fmt: skip
     result = pass_cost.main(argv)
     assert result["rows"] == [1, 2, 4]
-    for timings in (result["engine_ms"], result["plain_linear_ms"]):  # float32 on CPU: both measured
+    assert set(result["kernel_ms"]) >= {"linear", "wxt"}  # float32 on CPU: every kernel timed
+    for timings in (result["engine_ms"], *result["kernel_ms"].values()):
         assert set(timings) == {1, 2, 4} and all(ms > 0 for ms in timings.values())
+    assert result["plan"] is None or set(result["plan"].values()) <= set(result["kernel_ms"])
     assert json.loads((folder / "c.json").read_text())["rows"] == [1, 2, 4]
     assert "| 4 |" in capsys.readouterr().out
     assert result["floor"]["ms_per_token"] > 0 and result["cpu"]["cpus"] >= 1

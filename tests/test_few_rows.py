@@ -1,31 +1,50 @@
-"""The few-row CPU linear path: same results as nn.Linear up to float32 rounding, and only where it is enabled."""
+"""The few-row CPU linear kernels: same results as nn.Linear up to float32 rounding, and only where enabled."""
 
 import pytest
 import torch
 from torch import nn
 
 from eagle.model import few_rows
-from eagle.model.few_rows import MAX_ROWS, FewRowLinear, few_row_kernels, install, uninstall
+from eagle.model.few_rows import KERNELS, MAX_ROWS, FewRowLinear, few_row_kernels, install, set_plan, uninstall
 
 
+def usable(kernel: str) -> bool:
+    return kernel != "packed" or few_rows.packed_kernel_available()
+
+
+@pytest.mark.parametrize("kernel", [k for k in KERNELS if usable(k)])
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("rows", [1, 2, 3, MAX_ROWS, MAX_ROWS + 1, 40])
-def test_few_row_linear_matches_nn_linear(rows, bias):
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, MAX_ROWS, MAX_ROWS + 1, 40])
+def test_each_kernel_matches_nn_linear_for_any_row_count(rows, bias, kernel):
     torch.manual_seed(0)
     ref = nn.Linear(48, 80, bias=bias)
     fast = nn.Linear(48, 80, bias=bias)
     fast.load_state_dict(ref.state_dict())
-    assert install(fast) == 1 and type(fast) is FewRowLinear
+    assert install(fast, {n: kernel for n in range(1, MAX_ROWS + 1)}) == 1 and type(fast) is FewRowLinear
     x = torch.randn(1, rows, 48)
     with few_row_kernels():
         y = fast(x)
-    assert y.shape == (1, rows, 80)
+    assert y.shape == (1, rows, 80) and y.is_contiguous()
     torch.testing.assert_close(y, ref(x), rtol=1e-5, atol=1e-5)
 
 
-def test_the_fast_path_runs_only_inside_the_context(monkeypatch):
+def test_a_row_of_the_packed_kernel_does_not_depend_on_the_other_rows():
+    """Rows of one verify pass must not leak into each other (padding rows, tree siblings)."""
+    if not few_rows.packed_kernel_available():
+        pytest.skip("MKL packing is not available in this torch build")
+    torch.manual_seed(0)
+    layer = nn.Linear(64, 96)
+    install(layer, {n: "packed" for n in range(1, MAX_ROWS + 1)})
+    x = torch.randn(5, 64)
+    with few_row_kernels():
+        alone = layer(x[:1])
+        together = layer(torch.cat([x[:1], 100 * torch.randn(7, 64)]))[:1]
+    assert torch.equal(alone, together)
+
+
+def test_the_plan_applies_only_inside_the_context(monkeypatch):
     layer = nn.Linear(8, 4)
-    install(layer)
+    install(layer, {2: "wxt"})
     calls = []
     real_mm = torch.mm
     monkeypatch.setattr(few_rows.torch, "mm", lambda *a: calls.append(1) or real_mm(*a))
@@ -34,9 +53,23 @@ def test_the_fast_path_runs_only_inside_the_context(monkeypatch):
     assert calls == []  # outside: exactly nn.Linear
     with few_row_kernels():
         layer(x)
+        layer(torch.randn(3, 8))  # 3 rows are not in the plan: F.linear
     assert calls == [1]
     layer(x)
     assert calls == [1]  # the context resets on exit
+
+
+def test_packed_weights_exist_only_while_the_plan_uses_them():
+    model = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 8))
+    install(model, {1: "linear", 2: "wxt"})
+    assert all(m.packed is None for m in model)
+    if few_rows.packed_kernel_available():
+        set_plan(model, {4: "packed"})
+        assert all(m.packed is not None for m in model)
+    set_plan(model, {4: "wxt"})
+    assert all(m.packed is None for m in model)
+    with pytest.raises(ValueError, match="unknown few-row kernels"):
+        set_plan(model, {4: "fast"})
 
 
 def test_install_touches_only_float32_cpu_linears():
@@ -45,4 +78,5 @@ def test_install_touches_only_float32_cpu_linears():
     assert install(model) == 1
     assert [type(m) for m in model] == [FewRowLinear, nn.Linear, nn.Embedding]
     assert list(model.state_dict()) == keys
-    assert uninstall(model) == 1 and type(model[0]) is nn.Linear
+    assert few_rows.plan_of(model)[1] == "linear"
+    assert uninstall(model) == 1 and type(model[0]) is nn.Linear and few_rows.plan_of(model) is None

@@ -148,28 +148,33 @@ def test_the_shipped_head_carries_a_usable_acceptance_profile():
     assert 1.5 < expected_tau(profile["accept"]["0"], 4, 3, 3) < 2.5
 
 
-def test_few_row_kernels_auto_keeps_them_only_where_they_time_faster(folders, monkeypatch):
+def test_few_row_kernels_auto_takes_the_fastest_kernel_per_row_count_as_timed_here(folders, monkeypatch):
     from eagle.model import few_rows
     from eagle.model.base import BaseModel
 
-    def kernels(model):
-        return any(type(m) is few_rows.FewRowLinear for m in model.base_model.modules())
+    def plan(model):
+        return few_rows.plan_of(model.base_model)
 
-    fast = {"few_rows": 0.001, "plain": 0.002}
+    ms = {"linear": {1: 1, 2: 2, 4: 4, 8: 8, 16: 16}, "wxt": {1: 3, 2: 1, 4: 3, 8: 9, 16: 9},
+          "packed": {1: 5, 2: 5, 4: 5, 8: 5, 16: 5}}  # fmt: skip
 
     def timed(self, rows, *a, **k):
-        on = any(type(m) is few_rows.FewRowLinear for m in self.model.modules())
-        return {n: fast["few_rows" if on else "plain"] for n in rows}
+        kernel = few_rows.plan_of(self.model)[1]  # the tuner times one kernel for every row count at a time
+        return {n: ms[kernel][n] / 1e3 for n in rows}
 
     monkeypatch.setattr(BaseModel, "pass_seconds", timed)
-    assert kernels(EaModel.from_pretrained(*folders, few_row_kernels="auto", dtype=torch.float32))
-    monkeypatch.setenv("EAGLE_CACHE", str(folders[0]) + "-xeon")  # another machine, where they lose
-    fast.update(few_rows=0.003)
+    auto = plan(EaModel.from_pretrained(*folders, few_row_kernels="auto", dtype=torch.float32))
+    want = {1: "linear", 2: "wxt", 3: "wxt", 4: "wxt"} if few_rows.packed_kernel_available() else None
+    if want:
+        assert {n: auto[n] for n in (1, 2, 3, 4)} == want
+        assert {auto[n] for n in range(5, 17)} == {"packed"}  # 5-8 rows take the 8-row timing, 9-16 the 16-row
+    monkeypatch.setenv("EAGLE_CACHE", str(folders[0]) + "-other")  # another machine, where F.linear wins
+    ms["wxt"] = ms["packed"] = {n: 99 for n in ms["linear"]}
     slow = EaModel.from_pretrained(*folders, few_row_kernels="auto", dtype=torch.float32)
-    assert not kernels(slow)
+    assert plan(slow) is None  # all F.linear: the layers go back to nn.Linear
     ids = torch.tensor([[3, 4, 5, 6]])
     ref = slow.base_model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=16,
                                    min_new_tokens=16)  # fmt: skip
     assert slow.eagenerate(ids, max_new_tokens=16, stop_token_ids=[]).tolist() == ref.tolist()
-    assert kernels(EaModel.from_pretrained(*folders, dtype=torch.float32))  # True: the API's default
-    assert not kernels(EaModel.from_pretrained(*folders, few_row_kernels=False, dtype=torch.float32))
+    assert plan(EaModel.from_pretrained(*folders, dtype=torch.float32)) == few_rows.DEFAULT_PLAN  # True: the default
+    assert plan(EaModel.from_pretrained(*folders, few_row_kernels=False, dtype=torch.float32)) is None

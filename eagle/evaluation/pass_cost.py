@@ -4,8 +4,9 @@
     python -m eagle.evaluation.pass_cost --rows 1,2,4,8,16,32,60 --model-type llama3.1 --dtype float16
 
 For each n: the median wall time of the engine's base forward over n tokens after a --context-token prefix
-(features included, as in a verify pass), and on CPU in float32 the same without the few-row kernels
-(eagle/model/few_rows.py). The ratio to the 1-row time is what verifying an n-node tree costs in decode steps:
+(features included, as in a verify pass), with the kernel plan measured on this machine, and on CPU in float32
+the same with each few-row kernel (eagle/model/few_rows.py: F.linear, W @ x^T, MKL-packed) for every row
+count. The ratio to the 1-row time is what verifying an n-node tree costs in decode steps:
 with a head that accepts tau tokens per forward, a tree pays off when tau exceeds it (plus the draft's share).
 """
 
@@ -25,32 +26,38 @@ from .models import add_model_args, device_name, exit_on_bad_options, load_from_
 
 
 def measure(model, rows: list[int], context: int, repeats: int) -> dict:
-    """Median ms per row count, with the engine as loaded and (float32 CPU layers) with plain nn.Linear."""
+    """Median ms per row count: with the engine as loaded (its kernel plan), and (float32 CPU layers) with each
+    few-row kernel for every row count."""
 
     def ms():
         return {n: 1e3 * s for n, s in model.base.pass_seconds(rows, context, repeats).items()}
 
-    result = {"rows": rows, "engine_ms": ms(), "plain_linear_ms": None}
-    if few_rows.uninstall(model.base_model):
+    base = model.base_model
+    plan = few_rows.plan_of(base)  # None: the plan measured all-F.linear here, or not float32 on CPU
+    result = {"rows": rows, "engine_ms": ms(), "plan": plan, "kernel_ms": {}}
+    if plan is not None or few_rows.install(base):
+        kernels = [k for k in few_rows.KERNELS if k != "packed" or few_rows.packed_kernel_available()]
         try:
-            result["plain_linear_ms"] = ms()
+            for k in kernels:
+                few_rows.set_plan(base, {n: k for n in range(1, few_rows.MAX_ROWS + 1)})
+                result["kernel_ms"][k] = ms()
         finally:
-            few_rows.install(model.base_model)
+            few_rows.set_plan(base, plan) if plan is not None else few_rows.uninstall(base)
     return result
 
 
 def table(result: dict) -> str:
-    engine, plain = result["engine_ms"], result["plain_linear_ms"]
+    engine, kernels = result["engine_ms"], result["kernel_ms"]
     step = engine[1] if 1 in engine else None
     fl = (result.get("floor") or {}).get("ms_per_token")
-    head = "| rows | engine ms | in 1-row steps | in floor steps |"
-    head += " plain nn.Linear ms | engine speedup |" if plain else ""
-    lines = [head, "|---:|---:|---:|---:|" + ("---:|---:|" if plain else "")]
+    plan = result.get("plan") or {}
+    head = "| rows | engine ms | kernel | in 1-row steps | in floor steps |" + "".join(f" {k} ms |" for k in kernels)
+    lines = [head, "|---:|---:|:---|---:|---:|" + "---:|" * len(kernels)]
     for n in result["rows"]:
-        line = f"| {n} | {engine[n]:.1f} | {engine[n] / step:.2f} |" if step else f"| {n} | {engine[n]:.1f} | – |"
+        line = f"| {n} | {engine[n]:.1f} | {plan.get(n, 'linear')} |"
+        line += f" {engine[n] / step:.2f} |" if step else " – |"
         line += f" {engine[n] / fl:.2f} |" if fl else " – |"
-        if plain:
-            line += f" {plain[n]:.1f} | {plain[n] / engine[n]:.2f}x |"
+        line += "".join(f" {kernels[k][n]:.1f} |" for k in kernels)
         lines.append(line)
     return "\n".join(lines)
 
@@ -75,7 +82,7 @@ def main(argv: list[str] | None = None) -> dict:
         rows = sorted({int(r) for r in args.rows.split(",")})
         if rows[0] < 1 or args.context < 1 or args.repeats < 1:
             raise ValueError("--rows, --context and --repeats must be >= 1")
-        loaded = load_from_args(args, log, few_row_kernels=True)  # both kinds of layer are timed below
+        loaded = load_from_args(args, log, few_row_kernels="auto")  # the plan this machine measures best
     result = measure(loaded.model, rows, args.context, args.repeats)
     bound = floor(loaded.model.base_model, loaded.device)
     result.update(device=device_name(loaded.device), cpu=cpu_description(), floor=bound, model=loaded.describe(),

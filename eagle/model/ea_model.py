@@ -22,7 +22,7 @@ from .checkpoint import build_draft_head, read_acceptance_profile, read_checkpoi
 from .draft import Drafter
 from .draft_head import DraftHead
 from .generate import Budget, Round, TreeSpec, eagle_rounds, vanilla_rounds
-from .tuner import TreeChoice, faster_draft_dtype, few_row_kernels_pay, tune
+from .tuner import TreeChoice, faster_draft_dtype, few_row_plan, tune
 from .verify import SamplingParams, TokenPicker
 
 # End-of-turn tokens of common chat templates; those present in the vocabulary stop generation.
@@ -70,7 +70,7 @@ class EaModel(nn.Module):
         cls, base_model_path: str | None = None, ea_model_path: str | None = None, total_token: int = 60,
         depth: int = 7, top_k: int = 10, use_eagle3: bool | None = None, threshold: float = 1.0,
         tree_choices: list[list[int]] | None = None, draft_dtype: torch.dtype | str | None = None,
-        few_row_kernels: bool | str = True, **kwargs,
+        few_row_kernels: bool | str | dict = True, **kwargs,
     ) -> "EaModel":  # fmt: skip
         """Load the base through transformers (`kwargs` go to its `from_pretrained`: torch_dtype/dtype,
         device_map, low_cpu_mem_usage, gguf_file, ...) and the draft head from `ea_model_path` (folder or hub id).
@@ -80,7 +80,8 @@ class EaModel(nn.Module):
         `draft_dtype` runs the head in another dtype than the base (None = the base's; "auto" = bfloat16 where a
         float32 CPU head drafts faster in it, timed here): the head only proposes tokens and the base verifies
         them, so a bfloat16 head under a float32 base stays lossless. `few_row_kernels` (float32 CPU layers,
-        eagle/model/few_rows.py): True, False, or "auto" = kept only where they time faster on this machine."""
+        eagle/model/few_rows.py): True = the default plan, False = none, "auto" = the fastest kernel per row count
+        as timed on this machine (cached), or a plan {rows: kernel}."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         if base_model_path is None or ea_model_path is None:
@@ -96,9 +97,13 @@ class EaModel(nn.Module):
         config, state = read_checkpoint(ea_model_path)
         head = load_head(base, config, state, use_eagle3, None if draft_dtype == "auto" else draft_dtype)
         model = cls(base, head, tokenizer, max(total_token, 2), depth, top_k, tree_choices)
-        has_kernels = any(type(m) is few_rows.FewRowLinear for m in base.modules())
-        if has_kernels and (few_row_kernels is False or few_row_kernels == "auto" and not few_row_kernels_pay(model)):
-            few_rows.uninstall(base)
+        if few_rows.plan_of(base) is not None:  # float32 CPU layers: the kernel per row count
+            if few_row_kernels == "auto":
+                few_rows.set_plan(base, few_row_plan(model))
+            elif isinstance(few_row_kernels, dict):
+                few_rows.set_plan(base, few_row_kernels)
+            if few_row_kernels is False or set(few_rows.plan_of(base).values()) == {"linear"}:
+                few_rows.uninstall(base)
         if draft_dtype == "auto" and head.fc.weight.dtype == torch.float32 and head.fc.weight.device.type == "cpu":
             model.ea_layer.to(faster_draft_dtype(model))  # bf16 where it drafts faster on this CPU
         if total_token == -1:

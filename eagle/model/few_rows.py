@@ -1,16 +1,20 @@
-"""Faster float32 linear layers on CPU for the few-row forwards of decoding (1 to MAX_ROWS rows).
+"""Float32 CPU linear layers for the few-row forwards of decoding (1 to MAX_ROWS rows), kernel chosen per row count.
 
 A decode step or a tree verification streams every weight of the base once for a handful of rows, so its speed
-is memory bandwidth. MKL leaves much of it unused there: its GEMV (one row) runs on one thread, and its GEMM
-repacks the weight on every call. W @ x^T with 2 or 4 columns streams the weight once on all threads (1 and 3
-rows get one repeated column; odd counts take a slower kernel). Measured on SmolLM2-135M, 2 cores
-(`python -m eagle.evaluation.pass_cost`): a 1-row forward 43 -> 27 ms, 4 rows 68 -> 30 ms; none beyond 4 rows.
-The threads pay off while one thread runs the model: the app gives its model calls to the main thread
-(app/engine.py).
+is memory bandwidth, and which kernel streams best depends on the CPU and the row count:
+- "linear": F.linear (MKL's GEMV for one row, its GEMM otherwise; the GEMM repacks the weight on every call, which
+  makes 8 and 16 rows cost 2.5-5x one row);
+- "wxt": W @ x^T, the weight as the left operand (2 or more columns; odd counts get one repeated column). On an
+  AMD EPYC it took a 1-row forward of SmolLM2-135M from 43 to 27 ms; on an Intel Xeon it lost;
+- "packed": MKL's packed GEMM on a weight packed once at load for PACKED_ROWS rows (inputs padded with zero rows):
+  the weight is streamed once with no repacking, so 16 rows cost about 1.4x one row. It keeps a second copy of
+  every weight (the default 135M model: +538 MB).
+A *plan* maps each row count to a kernel: `DEFAULT_PLAN` without a measurement, or the fastest kernel per row
+count as timed on this machine (`tuner.few_row_plan`). Rows beyond MAX_ROWS always take F.linear.
 
 The results equal F.linear up to float32 rounding (a different summation order), the same kind of difference a
-batched tree verification already has against one-row decoding. The faster path runs only inside
-`few_row_kernels()` (BaseModel enters it), so the same model used directly (`generate`) behaves as loaded.
+batched tree verification already has against one-row decoding. The plan applies only inside `few_row_kernels()`
+(BaseModel enters it), so the same model used directly (`generate`) behaves as loaded.
 """
 
 from __future__ import annotations
@@ -21,47 +25,100 @@ import contextvars
 import torch
 from torch import nn
 
-MAX_ROWS = 4
+PACKED_ROWS = 16
+MAX_ROWS = PACKED_ROWS
+KERNELS = ("linear", "wxt", "packed")
+DEFAULT_PLAN = {1: "linear", **{rows: "packed" for rows in range(2, MAX_ROWS + 1)}}
 _enabled = contextvars.ContextVar("few_row_kernels", default=False)
 
 
+def packed_kernel_available() -> bool:
+    return torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_reorder_linear_weight")
+
+
 class FewRowLinear(nn.Linear):
-    """nn.Linear whose forward takes the W @ x^T path for few rows inside `few_row_kernels()`."""
+    """nn.Linear whose forward takes its plan's kernel for the row count inside `few_row_kernels()`.
+
+    `plan` (rows -> kernel, shared by the layers of one model) and `packed` (the MKL-packed weight, or None) are
+    plain attributes: parameters and state dict keys stay nn.Linear's."""
+
+    plan: dict[int, str]
+    packed: torch.Tensor | None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
-        if rows > MAX_ROWS or not _enabled.get():
+        kernel = self.plan.get(rows, "linear") if _enabled.get() else "linear"
+        if kernel == "linear":
             return super().forward(x)
         flat = x.reshape(rows, x.shape[-1])  # [rows, in]
-        if rows % 2:
-            flat = torch.cat((flat, flat[:1]))  # [rows + 1, in]: 2 or 4 columns
-        # x^T as the transposed view of a row-major x: a row-major [in, rows] operand took a 3x slower MKL kernel
-        # (down_proj's input, when it was an earlier output's view). The result is row-major, as F.linear's.
-        out = torch.mm(self.weight, flat.contiguous().T)[:, :rows].T.contiguous()  # [rows, out]
-        if self.bias is not None:
-            out = out + self.bias
-        return out.reshape(*x.shape[:-1], self.out_features)
+        if kernel == "packed":
+            pad = flat.new_zeros(PACKED_ROWS - rows, flat.shape[1])
+            padded = torch.cat((flat, pad)) if rows < PACKED_ROWS else flat.contiguous()  # [PACKED_ROWS, in]
+            out = torch.ops.mkl._mkl_linear(padded, self.packed, self.weight, self.bias, PACKED_ROWS)[:rows]
+        else:
+            if rows % 2:
+                flat = torch.cat((flat, flat[:1]))  # [rows + 1, in]: an even column count
+            # x^T as the transposed view of a row-major x: a row-major [in, rows] operand took a 3x slower MKL
+            # kernel (down_proj's input, when it was an earlier output's view). The result is row-major.
+            out = torch.mm(self.weight, flat.contiguous().T)[:, :rows].T  # [rows, out]
+            if self.bias is not None:
+                out = out + self.bias
+        return out.contiguous().reshape(*x.shape[:-1], self.out_features)
 
 
-def install(model: nn.Module) -> int:
-    """Give the float32 CPU nn.Linear layers of `model` the few-row path; returns how many. Parameters, state
-    dict keys and behaviour outside `few_row_kernels()` stay the same."""
+def _layers(model: nn.Module):
+    return [m for m in model.modules() if type(m) is FewRowLinear]
+
+
+def install(model: nn.Module, plan: dict[int, str] | None = None) -> int:
+    """Give the float32 CPU nn.Linear layers of `model` the few-row path with `plan` (None = DEFAULT_PLAN);
+    returns how many layers. Parameters, state dict keys and behaviour outside `few_row_kernels()` stay the same."""
     n = 0
     for module in model.modules():
         w = module.weight if type(module) is nn.Linear else None
         if w is not None and w.device.type == "cpu" and w.dtype == torch.float32:
             module.__class__ = FewRowLinear
+            module.packed = None
             n += 1
+    if n:
+        set_plan(model, DEFAULT_PLAN if plan is None else plan)
     return n
+
+
+def set_plan(model: nn.Module, plan: dict[int, str]) -> dict[int, str]:
+    """Use `plan` (rows -> kernel) in every few-row layer of `model`; packs the weights when the plan uses "packed"
+    (where MKL packing is unavailable those rows take F.linear) and frees the packed copies when it does not.
+    Returns the plan in force."""
+    unknown = set(plan.values()) - set(KERNELS)
+    if unknown:
+        raise ValueError(f"unknown few-row kernels {sorted(unknown)}; choose from {KERNELS}")
+    plan = {int(rows): kernel for rows, kernel in plan.items() if 1 <= int(rows) <= MAX_ROWS}
+    if "packed" in plan.values() and not packed_kernel_available():
+        plan = {rows: "linear" if kernel == "packed" else kernel for rows, kernel in plan.items()}
+    layers = _layers(model)
+    for layer in layers:
+        layer.plan = plan
+        if "packed" not in plan.values():
+            layer.packed = None
+        elif layer.packed is None:
+            with torch.no_grad():
+                layer.packed = torch.ops.mkl._mkl_reorder_linear_weight(layer.weight.detach(), PACKED_ROWS)
+    return plan
+
+
+def plan_of(model: nn.Module) -> dict[int, str] | None:
+    """The plan in force in `model`, or None when it has no few-row layers."""
+    layers = _layers(model)
+    return dict(layers[0].plan) if layers else None
 
 
 def uninstall(model: nn.Module) -> int:
     """Undo `install` (to measure what the path gives); returns how many layers went back to nn.Linear."""
     n = 0
-    for module in model.modules():
-        if type(module) is FewRowLinear:
-            module.__class__ = nn.Linear
-            n += 1
+    for module in _layers(model):
+        module.__class__ = nn.Linear
+        del module.plan, module.packed
+        n += 1
     return n
 
 
@@ -72,3 +129,4 @@ def few_row_kernels():
         yield
     finally:
         _enabled.reset(token)
+

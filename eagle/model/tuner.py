@@ -108,6 +108,8 @@ def cpu_description() -> dict:
 
 
 def _cache_key(model) -> str:
+    from . import few_rows
+
     base = model.base_model
     device = str(model.base.lm_head.weight.device)
     what = {
@@ -116,7 +118,7 @@ def _cache_key(model) -> str:
         "base": getattr(base.config, "_name_or_path", ""), "base_config": base.config.to_json_string(),
         "base_dtype": str(model.base.dtype), "head": str(model.ea_layer.config),
         "head_dtype": str(model.ea_layer.fc.weight.dtype),
-        "few_row_kernels": any(type(m).__name__ == "FewRowLinear" for m in base.modules()),
+        "few_row_plan": few_rows.plan_of(base),
     }  # fmt: skip
     return hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()[:20]
 
@@ -158,27 +160,42 @@ def measured_costs(model, depth_max: int, log=None) -> tuple[dict[int, float], d
     return verify, draft
 
 
-def few_row_kernels_pay(model, log=None) -> bool:
-    """Whether `few_rows.py`'s kernels beat plain nn.Linear for the 1-4 row passes of decoding on this machine
-    (timed once per machine + model, cached): they won 27 vs 43 ms a step on an AMD EPYC and lost 134 vs 62 ms on
-    an Intel Xeon, so the choice is a measurement, never a CPU flag."""
+PLAN_ROWS = (1, 2, 4, 8, 16)  # row counts timed per kernel; a count in between takes the next one up's kernel
+
+
+def few_row_plan(model, log=None) -> dict[int, str]:
+    """The fastest few-row kernel (`few_rows.py`) for each row count of a decode step or verify pass on this
+    machine: every kernel times a base forward over each of PLAN_ROWS new tokens, in interleaved rounds (these
+    machines are noisy; the fastest round counts). Timed once per machine + model, cached. The kernels' rank
+    differs between CPUs (W @ x^T won a 1-row step on an AMD EPYC and lost on an Intel Xeon), so the plan is a
+    measurement, never a CPU flag."""
     from . import few_rows
 
-    path = _cache_path(model, "-few-rows")
-    seconds = _load(path)
-    if seconds is None:
-        rows = [1, 2, 4]
-        seconds = {"few_rows": sum(model.base.pass_seconds(rows).values())}
-        few_rows.uninstall(model.base_model)
+    base = model.base_model
+    path = _cache_path(model, "-few-row-plan")
+    saved = _load(path)
+    if saved is None:
+        kernels = [k for k in few_rows.KERNELS if k != "packed" or few_rows.packed_kernel_available()]
+        ms: dict[str, dict[int, float]] = {k: {} for k in kernels}
         try:
-            seconds["plain"] = sum(model.base.pass_seconds(rows).values())
+            for _ in range(3):
+                for k in kernels:
+                    few_rows.set_plan(base, {rows: k for rows in range(1, few_rows.MAX_ROWS + 1)})
+                    for n, s in model.base.pass_seconds(list(PLAN_ROWS), repeats=3).items():
+                        ms[k][n] = min(ms[k].get(n, float("inf")), 1e3 * s)
         finally:
-            few_rows.install(model.base_model)
-        _save(path, seconds)
+            few_rows.set_plan(base, few_rows.DEFAULT_PLAN)
+        saved = {"ms": {k: {str(n): t for n, t in v.items()} for k, v in ms.items()}}
+        _save(path, saved)
         if log:
-            log(f"1-4 row passes: {1e3 * seconds['few_rows']:.0f} ms with the few-row kernels, "
-                f"{1e3 * seconds['plain']:.0f} ms with nn.Linear")  # fmt: skip
-    return seconds["few_rows"] < seconds["plain"]
+            log("few-row kernels, ms per base forward over " + "/".join(map(str, PLAN_ROWS)) + " rows: "
+                + "; ".join(f"{k} " + "/".join(f"{t:.0f}" for t in v.values()) for k, v in ms.items()))  # fmt: skip
+    ms = {k: {int(n): t for n, t in v.items()} for k, v in saved["ms"].items()}
+    plan = {}
+    for rows in range(1, max(PLAN_ROWS) + 1):
+        bucket = min(n for n in PLAN_ROWS if n >= rows)
+        plan[rows] = min(ms, key=lambda k: ms[k][bucket])
+    return plan
 
 
 def faster_draft_dtype(model, candidate: torch.dtype = torch.bfloat16, log=None) -> torch.dtype:
