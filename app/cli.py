@@ -118,6 +118,8 @@ def load_engine(args):
     name = f"{mtype.name}: {os.path.basename(str(info['base']).rstrip('/'))} + {info['draft']} head"
     engine = Engine(model, mtype.template, args.max_length, name=name, default_system=system, info=info)
     if not args.no_warmup:
-        print("[3/3] warming up (one short generation each way)")
+        print("[3/3] warming up (one short generation each way), then timing vanilla decoding for the speedup")
         engine.warmup()
+        tps, _ = engine.measure_baseline()
+        print(f"      vanilla decoding: {tps:.1f} tokens/s")
     return engine

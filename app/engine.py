@@ -22,6 +22,8 @@ from eagle.chat.templates import FittedPrompt, Turn, build_prompt, encode, fit_t
 from eagle.model.generate import Round
 
 LOCK_TIMEOUT_S = 300.0
+BASELINE_TOKENS = 32
+BASELINE_PROMPT = "Explain in a few sentences how a bicycle works."
 
 
 class EngineBusy(RuntimeError):
@@ -42,6 +44,9 @@ class Engine:
         self._lock = threading.Lock()
         self._calls: queue.SimpleQueue | None = None  # set while serve_model_calls runs
         self._server_thread: threading.Thread | None = None
+        # (tokens/s, where it came from): vanilla decoding timed at start-up, the speedup's reference until a
+        # session measures its own (side-by-side tab, "time vanilla too", a reply with EAGLE off)
+        self.baseline: tuple[float, str] | None = None
 
     # prompts ---------------------------------------------------------------------------------------------
     def prompt_ids(self, turns: Sequence[Turn], system: str = "") -> list[int]:
@@ -111,3 +116,12 @@ class Engine:
         for eagle in (True, False):
             for _ in self.rounds(ids, eagle=eagle, max_new_tokens=8):
                 pass
+
+    def measure_baseline(self, tokens: int = BASELINE_TOKENS) -> tuple[float, str]:
+        """Time vanilla decoding (greedy, `tokens` new tokens of a fixed prompt) and keep it as `baseline`."""
+        ids = self.prompt_ids([(BASELINE_PROMPT, None)], self.default_system)
+        new, seconds = 0, 0.0
+        for r in self.rounds(ids, eagle=False, max_new_tokens=tokens):
+            new, seconds = new + len(r.tokens), seconds + r.seconds
+        self.baseline = (new / seconds, f"a {new}-token greedy vanilla run at start-up")
+        return self.baseline

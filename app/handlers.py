@@ -9,12 +9,13 @@ drafted; the HTML is rendered from it on every update). Only the model is shared
 
 import html
 import time
+from dataclasses import replace
 
 import gradio as gr
 
 from .highlight import highlighted_html, render
-from .session import COMPARE_SOURCE, Settings, clean_text, compare, respond
-from .stats import figures_html
+from .session import COMPARE_SOURCE, Settings, clean_text, compare, parse_history, respond
+from .stats import figures_html, with_vanilla
 
 UPDATE_EVERY_S = 0.05  # at most ~20 page updates per second while streaming
 
@@ -98,7 +99,9 @@ def make_handlers(engine):
         turn["eagle"] = settings.eagle
         history = [(t["user"], t["reply"]) for t in turns[:-1] if t["reply"]]
         stopped = lambda: state["epoch"] != turn["epoch"]  # noqa: E731
-        vanilla = tuple(state["vanilla"]) if state["vanilla"] else None
+        vanilla = tuple(state["vanilla"]) if state["vanilla"] else engine.baseline
+        for notice in settings.notices:
+            gr.Warning(notice)
         throttle = Throttle()
         for u in respond(engine, turn["user"], history, settings, vanilla, stop=stopped):
             if u.error and not u.text:
@@ -153,9 +156,12 @@ def make_handlers(engine):
             stopped = c.vanilla.figures.get("stop") == "stopped" or c.eagle.figures.get("stop") == "stopped"
             if c.done and c.vanilla.figures.get("tokens_per_s") and not stopped:
                 state["vanilla"] = [c.vanilla.figures["tokens_per_s"], COMPARE_SOURCE]
+            if c.done and not stopped and c.eagle.figures.get("tokens_per_s"):  # the side panel follows this run
+                state["figures"] = with_vanilla(c.eagle.figures, *(state["vanilla"] or (None, None)))
             if throttle(c.done):
                 yield (c.vanilla.html, figures_html(c.vanilla.figures, c.vanilla.running), c.eagle.html,
-                       figures_html(c.eagle.figures, c.eagle.running), summary_html(c.summary, c.done), state)  # fmt: skip
+                       figures_html(c.eagle.figures, c.eagle.running), summary_html(c.summary, c.done),
+                       figures_html(state["figures"]), state)  # fmt: skip
 
     def api_chat(
         message: str, system_prompt: str = "", temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
@@ -164,18 +170,20 @@ def make_handlers(engine):
     ) -> tuple[str, str, dict]:  # fmt: skip  (a generator: each item is one such tuple)
         """Answer `message` (after `history`, a list of [user, assistant] pairs) and stream the reply.
 
+        Bad values never fail the call: each is replaced and named in figures["input_notices"] (out-of-range
+        numbers, history items that are not [user, assistant] pairs); an empty message gives figures["notice"].
+
         Yields (reply_html, reply_text, figures): reply_html marks the tokens that EAGLE drafted and the base
         accepted with <span class="acc">; figures holds tokens_per_s, mean_accepted_tokens_per_forward,
-        rounds, new_tokens, elapsed_s, stop, and vanilla_tokens_per_s / speedup when time_vanilla is set."""
+        rounds, new_tokens, elapsed_s, stop, vanilla_tokens_per_s and speedup (vanilla_source names the reference:
+        this reply decoded again without EAGLE when time_vanilla is set, else the start-up vanilla timing)."""
         settings = Settings.parse(temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=max_new_tokens,
                                   eagle=use_eagle, time_vanilla=time_vanilla,
                                   system_prompt=system_prompt or engine.default_system)  # fmt: skip
-        turns = []
-        for pair in history or []:
-            if isinstance(pair, (list, tuple)) and len(pair) == 2 and pair[1]:
-                turns.append((clean_text(pair[0]), clean_text(pair[1])))
+        turns, history_notices = parse_history(history)
+        settings = replace(settings, notices=settings.notices + tuple(history_notices))
         throttle = Throttle()
-        for u in respond(engine, message, turns, settings):
+        for u in respond(engine, message, turns, settings, engine.baseline):
             figs = dict(u.figures, error=u.error) if u.error else u.figures
             if throttle(u.done):
                 yield highlighted_html(u.text, u.marks), u.text, figs

@@ -34,20 +34,31 @@ class Settings:
     system_prompt: str = ""
     highlight: bool = True
     time_vanilla: bool = False
+    notices: tuple[str, ...] = field(default=(), compare=False)  # what `parse` had to change, said to the user
 
     @classmethod
     def parse(cls, **raw) -> "Settings":
-        """Settings from untrusted values (None, strings, NaN, out of range): clamped, never raising."""
+        """Settings from untrusted values (None, strings, NaN, out of range): never raising; a value that cannot
+        be used as given is replaced (None = the default, silently) and `notices` says what was used instead."""
         d = cls()
+        notices = []
 
         def num(key, lo, hi, cast=float):
+            value = raw.get(key)
+            if value is None:
+                return getattr(d, key)
             try:
-                v = float(raw.get(key))
+                v = float(value)
             except (TypeError, ValueError):
-                return getattr(d, key)
+                v = math.nan
             if math.isnan(v):
+                notices.append(f"{key}={value!r} is not a number: used the default {getattr(d, key)}")
                 return getattr(d, key)
-            return cast(min(max(v, lo), hi))
+            used = cast(min(max(v, lo), hi))
+            if used != v:
+                notices.append(f"{key}={value!r} is outside {lo}..{hi}" + (" or not whole" if lo <= v <= hi else "")
+                               + f": used {used}")  # fmt: skip
+            return used
 
         def flag(key):
             v = raw.get(key)
@@ -63,7 +74,26 @@ class Settings:
             system_prompt=clean_text(system) if isinstance(system, str) else d.system_prompt,
             highlight=flag("highlight"),
             time_vanilla=flag("time_vanilla"),
+            notices=tuple(notices),
         )  # fmt: skip
+
+
+def parse_history(history) -> tuple[list[Turn], list[str]]:
+    """(user, assistant) pairs from an untrusted `history`; each item that is not a pair of strings with a
+    non-empty reply is left out, and a notice says which and why."""
+    turns, notices = [], []
+    if history is None:
+        return turns, notices
+    if not isinstance(history, (list, tuple)):
+        return turns, [f"history must be a list of [user, assistant] pairs, got {type(history).__name__}: ignored"]
+    for i, pair in enumerate(history):
+        if not (isinstance(pair, (list, tuple)) and len(pair) == 2 and all(isinstance(x, str) for x in pair)):
+            notices.append(f"history[{i}] is not a [user, assistant] pair of strings: left out")
+        elif not pair[1].strip():
+            notices.append(f"history[{i}] has an empty assistant reply: left out")
+        else:
+            turns.append((clean_text(pair[0]), clean_text(pair[1])))
+    return turns, notices
 
 
 def clean_text(text) -> str:
@@ -113,7 +143,8 @@ def respond(engine, message: str, turns: Sequence[Turn], settings: Settings,
     True the reply ends there (figures stop = "stopped")."""
     message = clean_text(message)
     if not message.strip():
-        yield Update(error="Empty message: type something first.", done=True)
+        error = "Empty message: type something first."
+        yield Update(error=error, figures={"notice": error, "input_notices": list(settings.notices)}, done=True)
         return
     system = settings.system_prompt
     try:
@@ -125,16 +156,18 @@ def respond(engine, message: str, turns: Sequence[Turn], settings: Settings,
         error = f"Could not build the prompt: {type(e).__name__}: {e}"
         yield Update(error=error, figures={"notice": error}, done=True)
         return
-    notice = None
+    notices = list(settings.notices)
     if fit.dropped:
-        notice = (f"The conversation is longer than the model's context ({engine.max_length:,} tokens): "
+        notices.append(f"The conversation is longer than the model's context ({engine.max_length:,} tokens): "
                   f"the {fit.dropped} oldest turn{'s' if fit.dropped > 1 else ''} "
                   f"{'were' if fit.dropped > 1 else 'was'} left out of the prompt.")  # fmt: skip
+    notice = " ".join(n if n.endswith(".") else n + "." for n in notices) or None
     reply, stats = Reply(engine.tokenizer), RunStats(eagle=settings.eagle)
 
     def update(done=False, measured=None) -> Update:
         figs = with_vanilla(stats.as_dict(), *(measured or vanilla or (None, None)))
-        figs.update(prompt_tokens=len(fit.ids), dropped_turns=fit.dropped, notice=notice)
+        figs.update(prompt_tokens=len(fit.ids), dropped_turns=fit.dropped, notice=notice,
+                    input_notices=list(settings.notices))  # fmt: skip
         html = render(reply.text, reply.marks, settings.highlight and settings.eagle)
         own = (stats.tokens_per_s, VANILLA_CHAT_SOURCE) if done and not settings.eagle and stats.rounds else None
         return Update(reply.text, [list(m) for m in reply.marks], html, figs, done, vanilla=measured or own)

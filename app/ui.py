@@ -131,11 +131,13 @@ def build(engine, max_new_tokens: int = 512, title: str = "EAGLE speculative dec
         # The page's own events are callable by clients ("undocumented") so that tests can drive a real
         # session; the documented scripting endpoint is /chat below. Stop, Clear and Regenerate bump the
         # session's epoch instead of cancelling Gradio events: the running generator ends at its next round.
-        add_io = dict(fn=h["add_message"], inputs=[msg, state, highlight], outputs=[msg, chatbot, state], queue=False)
+        # queued (its own group, no limit) so that its "type a message first" toast reaches the page
+        add_io = dict(fn=h["add_message"], inputs=[msg, state, highlight], outputs=[msg, chatbot, state],
+                      concurrency_limit=None, show_progress="hidden")  # fmt: skip
         bot_io = dict(fn=h["bot"], inputs=[state, *settings], outputs=[chatbot, figures, state],
                       concurrency_id=MODEL_GROUP, concurrency_limit=1, show_progress="minimal")  # fmt: skip
         cmp_io = dict(fn=h["run_compare"], inputs=[cmp_msg, state, *settings],
-                      outputs=[v_out, v_fig, e_out, e_fig, summary, state], concurrency_id=MODEL_GROUP,
+                      outputs=[v_out, v_fig, e_out, e_fig, summary, figures, state], concurrency_id=MODEL_GROUP,
                       concurrency_limit=1, show_progress="minimal")  # fmt: skip
         hidden = dict(api_visibility="private")
         undocumented = dict(api_visibility="undocumented")

@@ -154,6 +154,19 @@ def test_typed_html_shows_as_text_and_loads_nothing(page):
     wait_for(driver, f"{FIGURES}.includes('tokens/s') && !{FIGURES}.includes('generating')", 180)
 
 
+def test_an_empty_message_shows_a_notice_and_keeps_the_chat(page):
+    driver, real = page
+    wait_for(driver, "document.querySelector('#msg textarea')")
+    driver.find_element(By.ID, "clear").click()
+    send(driver, "Hi" if real else "w1")
+    wait_for(driver, f"{BOT}.length == 1 && !{FIGURES}.includes('generating')", 180)
+    before = driver.execute_script("return document.querySelector('#chat').innerText;")
+    send(driver, "   ")
+    wait_for(driver, "document.body.innerText.includes('Type a message first')", 30)  # a toast
+    time.sleep(0.5)
+    assert driver.execute_script("return document.querySelector('#chat').innerText;") == before
+
+
 def test_stop_then_send_again_in_the_browser(page):
     driver, real = page
     driver.find_element(By.ID, "clear").click()

@@ -75,6 +75,34 @@ def test_chat_endpoint_is_documented_and_streams(app):
     assert fig3["speedup"] > 0 and fig3["vanilla_tokens_per_s"] > 0
 
 
+def test_bad_values_through_the_api_are_named_not_silently_used(app):
+    engine, demo = app
+    c = client(demo)
+    _, text, figures = c.predict("w10", max_new_tokens=0, temperature=-1, top_p=2, top_k=-5, history=[["hi"]],
+                                 api_name="/chat")  # fmt: skip
+    notices = figures["input_notices"]
+    assert len(notices) == 5, notices
+    for name in ("max_new_tokens=0", "temperature=-1", "top_p=2", "top_k=-5", "history[0]"):
+        assert any(n.startswith(name) for n in notices), name
+    assert figures["new_tokens"] == 1 and text  # max_new_tokens 0 -> 1, said so
+    _, text, figures = c.predict("  ", api_name="/chat")
+    assert text == "" and figures["notice"].startswith("Empty message")
+
+
+def test_the_chat_shows_a_speedup_from_the_start_up_vanilla_timing(app):
+    engine, demo = app
+    saved = engine.baseline
+    try:
+        tps, source = engine.measure_baseline(8)
+        assert tps > 0 and "start-up" in source
+        _, figures = say(client(demo), "w40")  # a fresh session: no vanilla of its own yet
+        assert "speedup" in figures and "start-up" in figures
+        _, _, api = client(demo).predict("w40", max_new_tokens=8, api_name="/chat")
+        assert api["vanilla_tokens_per_s"] == round(tps, 2) and api["speedup"] > 0
+    finally:
+        engine.baseline = saved
+
+
 def test_page_session_chat_regenerate_clear(app):
     engine, demo = app
     c = client(demo)
@@ -208,9 +236,10 @@ def test_side_by_side_endpoint(app):
     args = [SETTINGS[k] for k in ("temperature", "top_p", "top_k", "max_new_tokens", "eagle", "highlight",
                                   "time_vanilla", "system_prompt")]  # fmt: skip
     c.predict(api_name="/start_compare")
-    v_html, v_fig, e_html, e_fig, summary = c.predict("w15 w16", *args, api_name="/compare")
+    v_html, v_fig, e_html, e_fig, summary, figures = c.predict("w15 w16", *args, api_name="/compare")
     assert plain_text(v_html) == plain_text(e_html) == greedy_reply(engine, [("w15 w16", None)], 16)
     assert "Speedup <b" in summary and "×</b>" in summary and "same text as vanilla: yes" in summary
     assert "Vanilla" in v_fig and "tokens/s" in e_fig
+    assert "EAGLE" in figures and "your last side-by-side run" in figures  # the chat's panel follows the run
     chat, figures = say(c, "w17")  # the chat now quotes the side-by-side vanilla figure
     assert "your last side-by-side run" in figures and "speedup" in figures

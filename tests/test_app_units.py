@@ -165,6 +165,23 @@ def test_settings_parse_clamps_untrusted_values():
     assert Settings.parse(system_prompt="a\x00b\ud800").system_prompt == "ab?"
 
 
+def test_settings_parse_names_every_value_it_changed():
+    s = Settings.parse(temperature=-1, top_p=2, top_k=2.5, max_new_tokens=0, eagle=True)
+    assert (s.temperature, s.top_p, s.top_k, s.max_new_tokens) == (0.0, 1.0, 2, 1)
+    assert [n.split(" ")[0] for n in s.notices] == ["temperature=-1", "top_p=2", "top_k=2.5", "max_new_tokens=0"]
+    assert Settings.parse(temperature=0.7, top_k=5, max_new_tokens=None).notices == ()  # None: the default
+
+
+def test_parse_history_keeps_pairs_and_names_the_rest():
+    from app.session import parse_history
+
+    turns, notices = parse_history([["a", "b"], ["hi"], ["c", ""], "x", [1, 2], ("d", "e")])
+    assert turns == [("a", "b"), ("d", "e")]
+    assert [n.split(" ")[0] for n in notices] == ["history[1]", "history[2]", "history[3]", "history[4]"]
+    assert parse_history("nope")[1][0].startswith("history must be a list")
+    assert parse_history(None) == ([], [])
+
+
 def test_run_stats_and_speedup():
     st = RunStats()
     st.add(Round([1, 2, 3], 2, 0.5))
