@@ -211,6 +211,7 @@ def load(
     mtype: ModelType, base_path: str | None = None, head_path: str | None = None, total_token: int | None = None,
     depth: int | None = None, top_k: int | None = None, dtype: str = "auto", device_map: str | None = None,
     log=print, stages: int = 2, draft_dtype: str = "auto", few_row_kernels: bool | str = "auto",
+    compile: str = "auto",
 ) -> LoadedModel:  # fmt: skip
     """Resolve and load base + head, reporting stages through `log` ("[1/stages] ...", "[2/stages] ...";
     a caller with more stages of its own, like the app's warm-up, passes their total). Tree options left None
@@ -262,7 +263,7 @@ def load(
     try:
         model = EaModel.from_pretrained(
             base, head, total_token=total_token, depth=depth, top_k=top_k, draft_dtype=head_dtype,
-            few_row_kernels=few_row_kernels, **kwargs,
+            few_row_kernels=few_row_kernels, compile=compile, log=lambda line: log(f"      {line}"), **kwargs,
         )  # fmt: skip
     except (OSError, ValueError, KeyError, RuntimeError) as e:
         what = f"base {base_name!r}, head {head_name!r}"

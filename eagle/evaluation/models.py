@@ -30,6 +30,9 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
                    help="the head's dtype; auto: under a float32 base on CPU, float32 or bfloat16, whichever "
                    "drafts faster on this machine (timed once, cached), else the base's")  # fmt: skip
     g.add_argument("--device-map", default=None, help="transformers device_map (default: 'auto' on GPU, CPU otherwise)")
+    g.add_argument("--compile", choices=("auto", "on", "off"), default="auto",
+                   help="compiled base forwards on CPU (eagle/model/compiled.py): on (minutes the first time, "
+                   "cached), off, or auto = on where a start with 'on' measured them faster (default)")  # fmt: skip
 
 
 def pick_type(args) -> ModelType:
@@ -46,7 +49,7 @@ def load_from_args(args, log=print, few_row_kernels: bool | str = "auto") -> Loa
     """Load the EaModel the options describe (base, head, tree defaults, dtype, device map)."""
     return load(pick_type(args), args.base_model_path, args.ea_model_path, args.total_token, args.depth,
                 args.top_k, args.dtype, args.device_map, log=log, draft_dtype=args.draft_dtype,
-                few_row_kernels=few_row_kernels)  # fmt: skip
+                few_row_kernels=few_row_kernels, compile=getattr(args, "compile", "auto"))  # fmt: skip
 
 
 def device_name(device: str) -> str:

@@ -51,9 +51,18 @@ class BaseModel:
         self.dtype = self.lm_head.weight.dtype
         self.input_device = model.get_input_embeddings().weight.device
         few_rows.install(model)  # float32 CPU layers: faster decode-sized matmuls (see few_rows.py)
+        self.compiled = None  # a CompiledDecode once `compile` is called
 
     def new_cache(self, capacity: int) -> TreeKVCache:
-        return TreeKVCache(self.num_layers, capacity)
+        slack = max(self.compiled.buckets) if self.compiled is not None else 0  # a padded pass writes a bucket
+        return TreeKVCache(self.num_layers, capacity + slack)
+
+    def compile(self, buckets=None) -> None:
+        """Run the vanilla step and verify passes as compiled graphs (eagle/model/compiled.py); compiles lazily,
+        or now with `self.compiled.warm()`."""
+        from .compiled import BUCKETS, CompiledDecode
+
+        self.compiled = CompiledDecode(self, buckets or BUCKETS)
 
     def forward(
         self,
@@ -65,32 +74,40 @@ class BaseModel:
         last_logits_only: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Returns (logits [q or 1, V] in the model dtype, features [q, F] or None)."""
+        input_ids, position_ids = input_ids.to(self.input_device), position_ids.to(self.input_device)
+        q = input_ids.shape[1]
+        with few_rows.few_row_kernels():
+            if self.compiled is None or last_logits_only or self.compiled.bucket(q) is None:
+                return self.decode(input_ids, position_ids, mask, cache, features, last_logits_only)
+            if mask is None:
+                causal = torch.ones(q, cache.length + q, dtype=torch.bool).tril(cache.length)
+                mask = additive_mask(causal.to(self.input_device), self.dtype)
+            return self.compiled.run(input_ids, position_ids, mask, cache, features)
+
+    def decode(self, input_ids, position_ids, mask, cache, features: bool, last_logits_only: bool):
+        """The forward itself (what `compile` compiles): transformers' decoder over the new rows, the lm_head
+        over the rows asked, the feature taps."""
         kwargs = {}
         if features and self.feature_layers is not None:
             kwargs["output_hidden_states"] = list(self.feature_layers)
-        with few_rows.few_row_kernels():
-            out = self.decoder(
-                input_ids=input_ids.to(self.input_device),
-                position_ids=position_ids.to(self.input_device),
-                attention_mask=mask,
-                past_key_values=cache,
-                use_cache=True,
-                **kwargs,
-            )
-            hidden = out.last_hidden_state[0]  # [q, H], post final norm
-            rows = hidden[-1:] if last_logits_only else hidden
-            logits = self.lm_head(rows.to(self.lm_head.weight.device))
+        out = self.decoder(
+            input_ids=input_ids, position_ids=position_ids, attention_mask=mask, past_key_values=cache,
+            use_cache=True, **kwargs,
+        )  # fmt: skip
+        hidden = out.last_hidden_state[0]  # [q, H], post final norm
+        rows = hidden[-1:] if last_logits_only else hidden
+        logits = self.lm_head(rows.to(self.lm_head.weight.device))  # [q or 1, V]
         if not features:
             return logits, None
         if self.feature_layers is None:
             return logits, hidden
         taps = [out.hidden_states[i][0] for i in self.feature_layers]
-        return logits, torch.cat([t.to(hidden.device) for t in taps], dim=-1)
+        return logits, torch.cat([t.to(hidden.device) for t in taps], dim=-1)  # [q, 3H]
 
     @torch.inference_mode()
     def pass_seconds(self, rows: list[int], context: int = 256, repeats: int = 5) -> dict[int, float]:
-        """Median wall time of a verify-shaped forward (n new tokens after `context` cached ones, features
-        included) for each n in `rows`; a first untimed call per n warms up."""
+        """Median wall time of a forward over n new tokens after `context` cached ones for each n in `rows`:
+        a vanilla step for n = 1, a verify pass (features included) otherwise; a first untimed call warms up."""
         cache = self.new_cache(context + max(rows))
         ids = torch.randint(0, self.vocab_size, (1, context + max(rows)))
         self.forward(ids[:, :context], torch.arange(context)[None], cache, features=False, last_logits_only=True)
@@ -98,7 +115,7 @@ class BaseModel:
         device = self.lm_head.weight.device
         for n in rows:
             new, positions = ids[:, context : context + n], torch.arange(context, context + n)[None]
-            times = repeated_seconds(device, lambda: self.forward(new, positions, cache), repeats,
+            times = repeated_seconds(device, lambda: self.forward(new, positions, cache, features=n > 1), repeats,
                                      after=lambda: cache.crop_to(context))  # fmt: skip
             out[n] = times[repeats // 2]
         return out

@@ -22,7 +22,7 @@ from .checkpoint import build_draft_head, read_acceptance_profile, read_checkpoi
 from .draft import Drafter
 from .draft_head import DraftHead
 from .generate import Budget, Round, TreeSpec, eagle_rounds, vanilla_rounds
-from .tuner import TreeChoice, faster_draft_dtype, few_row_plan, tune
+from .tuner import TreeChoice, compile_base, faster_draft_dtype, few_row_plan, tune
 from .verify import SamplingParams, TokenPicker
 
 # End-of-turn tokens of common chat templates; those present in the vocabulary stop generation.
@@ -70,7 +70,7 @@ class EaModel(nn.Module):
         cls, base_model_path: str | None = None, ea_model_path: str | None = None, total_token: int = 60,
         depth: int = 7, top_k: int = 10, use_eagle3: bool | None = None, threshold: float = 1.0,
         tree_choices: list[list[int]] | None = None, draft_dtype: torch.dtype | str | None = None,
-        few_row_kernels: bool | str | dict = True, **kwargs,
+        few_row_kernels: bool | str | dict = True, compile: str = "off", log=None, **kwargs,
     ) -> "EaModel":  # fmt: skip
         """Load the base through transformers (`kwargs` go to its `from_pretrained`: torch_dtype/dtype,
         device_map, low_cpu_mem_usage, gguf_file, ...) and the draft head from `ea_model_path` (folder or hub id).
@@ -81,9 +81,14 @@ class EaModel(nn.Module):
         float32 CPU head drafts faster in it, timed here): the head only proposes tokens and the base verifies
         them, so a bfloat16 head under a float32 base stays lossless. `few_row_kernels` (float32 CPU layers,
         eagle/model/few_rows.py): True = the default plan, False = none, "auto" = the fastest kernel per row count
-        as timed on this machine (cached), or a plan {rows: kernel}."""
+        as timed on this machine (cached), or a plan {rows: kernel}. `compile` (CPU, eagle/model/compiled.py):
+        "on" = the vanilla step and verify passes as compiled graphs (minutes the first time on a small CPU;
+        eager if compiling fails, said through `log`), "off", or "auto" = on where a start with "on" measured
+        them faster on this machine. `log` (a print-like function) hears about measurements and compiling."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
+        if compile not in ("auto", "on", "off"):
+            raise ValueError(f"compile must be 'auto', 'on' or 'off', got {compile!r}")
         if base_model_path is None or ea_model_path is None:
             raise ValueError("from_pretrained needs base_model_path and ea_model_path")
         if "torch_dtype" in kwargs:  # the reference's spelling; transformers 5 calls it dtype
@@ -106,6 +111,8 @@ class EaModel(nn.Module):
                 few_rows.uninstall(base)
         if draft_dtype == "auto" and head.fc.weight.dtype == torch.float32 and head.fc.weight.device.type == "cpu":
             model.ea_layer.to(faster_draft_dtype(model))  # bf16 where it drafts faster on this CPU
+        if compile != "off":
+            compile_base(model, compile, log or (lambda line: None))
         if total_token == -1:
             profile = read_acceptance_profile(ea_model_path)
             if profile is not None and not tree_choices:  # the tree that measures fastest here (tuner.py)

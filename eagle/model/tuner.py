@@ -119,6 +119,7 @@ def _cache_key(model) -> str:
         "base_dtype": str(model.base.dtype), "head": str(model.ea_layer.config),
         "head_dtype": str(model.ea_layer.fc.weight.dtype),
         "few_row_plan": few_rows.plan_of(base),
+        "compiled": model.base.compiled.buckets if model.base.compiled is not None else None,
     }  # fmt: skip
     return hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()[:20]
 
@@ -196,6 +197,47 @@ def few_row_plan(model, log=None) -> dict[int, str]:
         bucket = min(n for n in PLAN_ROWS if n >= rows)
         plan[rows] = min(ms, key=lambda k: ms[k][bucket])
     return plan
+
+
+def compile_base(model, mode: str, log) -> bool:
+    """Compiled base forwards (`compiled.py`) for mode "on", or for "auto" where a start with "on" measured
+    them faster here (the 1-row step and 16-row verify pass, eager vs compiled, cached per machine + model).
+    Compiling failures leave the model eager with one line in `log`. Returns whether compiled forwards are used."""
+    base = model.base
+    if base.lm_head.weight.device.type != "cpu":
+        if mode == "on":
+            log("compiled rounds are built for CPU only (CUDA graphs are not done yet): decoding eagerly")
+        return False
+    path = _cache_path(model, "-compiled")  # keyed on the eager model, as it is before compiling
+    saved = _load(path)
+    if mode == "auto" and saved is None:
+        log("compiled rounds: not measured on this machine yet (run once with --compile on, minutes the first "
+            "time); decoding eagerly")  # fmt: skip
+        return False
+    if mode == "auto" and not saved["compiled_pays"]:
+        return False
+    log("compiling the base's 1-row step and verify pass (inductor; cached on disk for the next start)")
+    try:
+        base.compile()
+        base.compiled.warm(log)
+    except Exception as e:  # noqa: BLE001 - any compiler failure means: stay eager, say why
+        base.compiled = None
+        log(f"compiling failed ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); decoding eagerly")
+        return False
+    if saved is None:
+        rows = list(base.compiled.buckets)
+        ms = {"compiled": {n: 1e3 * t for n, t in base.pass_seconds(rows).items()}}
+        compiled, base.compiled = base.compiled, None
+        ms["eager"] = {n: 1e3 * t for n, t in base.pass_seconds(rows).items()}
+        base.compiled = compiled
+        saved = {"ms": ms, "compiled_pays": sum(ms["compiled"].values()) < sum(ms["eager"].values())}
+        _save(path, saved)
+        log("compiled vs eager, ms per forward over " + "/".join(map(str, rows)) + " rows: "
+            + "/".join(f"{ms['compiled'][n]:.0f}" for n in rows) + " vs "
+            + "/".join(f"{ms['eager'][n]:.0f}" for n in rows))  # fmt: skip
+    if not saved["compiled_pays"]:  # only "on" gets here then
+        log("note: compiled forwards measured slower than eager here; kept because --compile on")
+    return True
 
 
 def faster_draft_dtype(model, candidate: torch.dtype = torch.bfloat16, log=None) -> torch.dtype:

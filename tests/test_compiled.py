@@ -1,0 +1,112 @@
+"""Compiled base forwards (eagle/model/compiled.py): padding rows change nothing, the compiled vanilla step and
+verify pass stay lossless and compile once per bucket, and `compile` falls back or stays off as documented."""
+
+import pytest
+import torch
+from tiny import random_draft, save_base, tiny_base
+
+from eagle.model import tuner
+from eagle.model.base import BaseModel, additive_mask, tree_mask
+from eagle.model.compiled import CompiledDecode, bucket_for, pad_rows
+from eagle.model.ea_model import EaModel
+from eagle.model.generate import TreeSpec
+
+NEW = 40
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("compiled")
+    base = tiny_base("llama", layers=8)  # 8 layers: three distinct EAGLE-3 taps (2, 4, 5)
+    save_base(base, str(folder / "base"))
+    return folder, base
+
+
+def test_padding_rows_never_change_the_output(folder):
+    _, model = folder
+    base = BaseModel(model, eagle3=True)
+    prefix, q, rows = 7, 5, 16
+    ids = torch.randint(0, 16, (1, prefix + q))
+    parents = [-1, 0, 0, 1, 2]  # a small tree: each row sees itself and its ancestors
+    ancestors = torch.zeros(q, q, dtype=torch.bool)
+    for i, p in enumerate(parents):
+        ancestors[i, i] = True
+        while p >= 0:
+            ancestors[i, p], p = True, parents[p]
+    positions = torch.tensor([[prefix + d for d in (0, 1, 1, 2, 2)]])
+    results = []
+    with torch.inference_mode():
+        for pad in (False, True):
+            cache = base.new_cache(prefix + rows)
+            base.decode(ids[:, :prefix], torch.arange(prefix)[None], None, cache, False, True)
+            mask = tree_mask(prefix, ancestors, torch.float32, "cpu")
+            args = pad_rows(ids[:, prefix:], positions, mask, rows) if pad else (ids[:, prefix:], positions, mask)
+            logits, feats = base.decode(*args, cache, True, False)
+            assert cache.length == prefix + (rows if pad else q)
+            cache.crop_to(prefix + q)
+            keys = torch.cat([layer.keys[:, :, : prefix + q] for layer in cache.layers])
+            results.append((logits[:q], feats[:q], keys))
+    for plain, padded in zip(*results):
+        torch.testing.assert_close(padded, plain, rtol=1e-5, atol=1e-6)
+
+
+def test_pad_rows_mask_lets_pads_see_only_the_prefix_and_themselves():
+    mask = additive_mask(torch.ones(2, 5, dtype=torch.bool).tril(3), torch.float32)  # 3 prefix + 2 rows
+    ids, positions, full = pad_rows(torch.tensor([[5, 6]]), torch.tensor([[3, 4]]), mask, 4)
+    allowed = full[0, 0] == 0
+    assert ids.tolist() == [[5, 6, 6, 6]] and positions.tolist() == [[3, 4, 4, 4]]
+    assert allowed[:2, :5].equal(mask[0, 0] == 0) and not allowed[:2, 5:].any()  # real rows never see pads
+    assert allowed[2].tolist() == [True, True, True, False, False, True, False]
+    assert allowed[3].tolist() == [True, True, True, False, False, False, True]
+    assert bucket_for(1) == 1 and bucket_for(2) == 16 and bucket_for(16) == 16 and bucket_for(17) is None
+
+
+def test_compiled_rounds_equal_hf_generate_and_compile_once_per_bucket(folder):
+    path, base = folder
+    draft = random_draft(base, str(path / "draft3"), eagle3=True, draft_vocab=12)
+    model = EaModel.from_pretrained(str(path / "base"), draft, dtype=torch.float32, compile="on")
+    assert isinstance(model.base.compiled, CompiledDecode)
+    torch._dynamo.utils.counters.clear()
+    tree = TreeSpec(total_token=12, depth=3, top_k=4)  # 12 rows: the 16-row bucket, padded
+    for prompt in ([3, 4, 5], [7, 2, 9, 9, 11, 4, 2, 8, 8]):
+        ids = torch.tensor([prompt])
+        ref = base.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=NEW,
+                            min_new_tokens=NEW, eos_token_id=None, pad_token_id=0)  # fmt: skip
+        out, n, rounds = model.eagenerate(ids, max_new_tokens=NEW, stop_token_ids=[], log=True, tree=tree)
+        assert out.tolist() == ref.tolist()
+        assert n / (rounds + 1) > 1.05  # drafts were accepted: the verify pass ran on the compiled graph
+        assert model.naivegenerate(ids, max_new_tokens=NEW, stop_token_ids=[]).tolist() == ref.tolist()
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 0  # warm() compiled both buckets already
+
+
+def test_compile_auto_follows_the_measurement_and_failures_stay_eager(folder, monkeypatch, tmp_path):
+    path, base = folder
+    monkeypatch.setenv("EAGLE_CACHE", str(tmp_path))
+    draft = random_draft(base, str(path / "draft1"), eagle3=False)
+    lines = []
+
+    def load(mode):
+        return EaModel.from_pretrained(str(path / "base"), draft, dtype=torch.float32, compile=mode, log=lines.append)
+
+    assert load("auto").base.compiled is None and "not measured on this machine yet" in lines[-1]
+    monkeypatch.setattr(CompiledDecode, "warm", lambda self, log=None: {})  # no real compiling below
+    timings = {"compiled": 0.001, "eager": 0.002}
+    monkeypatch.setattr(BaseModel, "pass_seconds",
+                        lambda self, rows, *a, **k: {n: timings["compiled" if self.compiled else "eager"] for n in rows})  # fmt: skip
+    assert load("on").base.compiled is not None and lines[-1].startswith("compiled vs eager")
+    assert load("auto").base.compiled is not None  # measured faster: auto compiles
+
+    monkeypatch.setenv("EAGLE_CACHE", str(tmp_path / "other-machine"))
+    timings["compiled"] = 0.003
+    assert load("on").base.compiled is not None and "measured slower" in lines[-1]
+    assert load("auto").base.compiled is None
+
+    def broken(self, buckets=None):
+        raise RuntimeError("no C++ compiler\nmore detail")
+
+    monkeypatch.setattr(BaseModel, "compile", broken)
+    model = load("on")
+    assert model.base.compiled is None and lines[-1] == "compiling failed (RuntimeError: no C++ compiler); decoding eagerly"
+    assert tuner.compile_base(model, "on", lines.append) is False
+    with pytest.raises(ValueError, match="compile must be"):
+        load("yes")
