@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> None:
 
 def load_engine(args):
     """Model type -> loaded model -> Engine (with a warm-up). Raises ModelLoadError."""
-    from eagle.chat.model_types import load, model_type, tree_description
+    from eagle.chat.model_types import forwards_description, load, model_type, tree_description
     from eagle.chat.templates import default_system_prompt
 
     from .engine import Engine
@@ -116,7 +116,7 @@ def load_engine(args):
     info = {
         "model_type": mtype.name, "base": args.base_model_path or mtype.base or "SmolLM2-135M-Instruct (embedded)",
         "head": args.ea_model_path or mtype.head, "draft": "EAGLE-3" if model.use_eagle3 else "EAGLE-1/2",
-        "tree": tree_description(model),
+        "tree": tree_description(model), "forwards": forwards_description(model),
         "dtype_device": f"{loaded.dtypes} / {loaded.device}",
     }  # fmt: skip
     system = mtype.system_prompt or default_system_prompt(mtype.template)

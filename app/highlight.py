@@ -91,7 +91,9 @@ def _spans(text: str, start: int, marks: list[list[int]]) -> str:
         a, b = max(a, pos), min(b, end)
         if a > pos:
             out.append(_escape(text[pos - start : a - start]))
-        out.append(f'<span class="acc">{_escape(text[a - start : b - start])}</span>')
+        piece = text[a - start : b - start]
+        # whitespace alone is not wrapped: a highlighted space or newline showed as an empty orange block
+        out.append(_escape(piece) if piece.isspace() else f'<span class="acc">{_escape(piece)}</span>')
         pos = b
     if pos < end:
         out.append(_escape(text[pos - start :]))

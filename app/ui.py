@@ -55,7 +55,8 @@ def _logo() -> str:
 def model_info_md(engine) -> str:
     i = engine.info
     rows = [("model type", i.get("model_type")), ("base", i.get("base")), ("head", i.get("head")),
-            ("draft", i.get("draft")), ("tree", i.get("tree")), ("dtype / device", i.get("dtype_device")),
+            ("draft", i.get("draft")), ("tree", i.get("tree")), ("forwards", i.get("forwards")),
+            ("dtype / device", i.get("dtype_device")),
             ("context", f"{engine.max_length:,} tokens"), ("template", engine.template)]  # fmt: skip
     return "\n".join(f"- **{k}**: `{v}`" for k, v in rows if v)
 

@@ -126,6 +126,12 @@ def test_highlight_keeps_lines_and_code_blocks():
     assert [b[0] for b in blocks(text)] == ["text", "fence", "code", "fence", "text"]
 
 
+def test_accepted_whitespace_is_not_a_highlighted_block():
+    out = highlighted_html("a \nb", [[1, 3], [3, 4]])
+    assert '<span class="acc">' in out and out.count('class="acc"') == 1  # " \n" stays plain, "b" is marked
+    assert plain_text(out) == "a \nb"
+
+
 def test_plain_toggle_returns_markdown_text():
     assert render("**x**\n- y", [[0, 2]], highlight=False) == "**x**\n- y"
     assert render("", [], True) == '<div class="eagle-tokens"></div>'

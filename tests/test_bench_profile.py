@@ -72,3 +72,13 @@ def test_bad_options_end_the_tool_with_one_line_and_status_2(tool, argv, message
         tool.main(argv)
     assert e.value.code == 2
     assert capsys.readouterr().err.strip().endswith(f"error: {message}")
+
+
+def test_the_tools_take_the_model_type_aliases_launch_py_takes(capsys):
+    from eagle.evaluation.models import pick_type
+
+    args = pass_cost.build_parser().parse_args(["--model-type", "llama-3-instruct"])
+    assert pick_type(args).name == "llama3"
+    with pytest.raises(SystemExit) as e:
+        pass_cost.main(["--model-type", "llama9"])
+    assert e.value.code == 2 and "unknown model type 'llama9'" in capsys.readouterr().err

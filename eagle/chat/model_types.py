@@ -195,7 +195,24 @@ class LoadedModel:
             "draft_dtype": self.draft_dtype or self.dtype, "eagle3": bool(self.model.use_eagle3),
             "template": self.mtype.template,
             "tree_choice": asdict(c) if (c := self.model.tree_choice) is not None else None,
+            "forwards": forwards_description(self.model),
         }  # fmt: skip
+
+
+def forwards_description(model) -> str:
+    """How the base's forwards run: compiled graphs (and their row buckets) or eager, and the few-row kernels."""
+    from eagle.model import few_rows
+
+    compiled = model.base.compiled
+    text = f"compiled (inductor; {'/'.join(map(str, compiled.buckets))}-row graphs)" if compiled else "eager"
+    plan = few_rows.plan_of(model.base_model)
+    if plan:
+        kernels = {}
+        for rows, kernel in sorted(plan.items()):
+            kernels.setdefault(kernel, []).append(rows)
+        text += "; kernels " + ", ".join(f"{k} {min(r)}-{max(r)} rows" if len(r) > 1 else f"{k} {r[0]} row"
+                                         for k, r in kernels.items())  # fmt: skip
+    return text
 
 
 def tree_description(model) -> str:

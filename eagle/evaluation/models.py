@@ -12,13 +12,16 @@ import argparse
 import contextlib
 import sys
 
-from eagle.chat.model_types import DTYPES, MODEL_TYPES, LoadedModel, ModelLoadError, ModelType, load, model_type
+from eagle.chat.model_types import (
+    ALIASES, DTYPES, MODEL_TYPES, LoadedModel, ModelLoadError, ModelType, load, model_type,
+)  # fmt: skip
 
 
 def add_model_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("model (default: SmolLM2-135M-Instruct with the head in assets/smollm2-eagle3)")
-    g.add_argument("--model-type", choices=sorted(MODEL_TYPES), default=None,
-                   help="default checkpoints and prompt template (default: smollm2)")
+    g.add_argument("--model-type", default=None, metavar="TYPE",
+                   help=f"default checkpoints and prompt template: {', '.join([*sorted(MODEL_TYPES), *ALIASES])} "
+                   "(default: smollm2)")  # fmt: skip
     g.add_argument("--base-model-path", default=None, help="base model folder or hub id (overrides the type's)")
     g.add_argument("--ea-model-path", default=None, help="EAGLE head folder or hub id (overrides the type's)")
     g.add_argument("--total-token", type=int, default=None,

@@ -111,5 +111,5 @@ class CompiledDecode:
                 cache.crop_to(context)
                 seconds[rows] = time.perf_counter() - t0
                 if log:
-                    log(f"      compiled the {rows}-row forward in {seconds[rows]:.1f} s")
+                    log(f"compiled the {rows}-row forward in {seconds[rows]:.1f} s")
         return seconds
