@@ -12,8 +12,9 @@ small operations between the matmuls (norms, rotary, attention, residuals, Pytho
 themselves; inductor fuses them into a few C++/OpenMP loops per layer. The few-row kernels stay what the plan
 says (`few_rows.py`); the MKL-packed one enters the graph as an opaque custom op.
 
-Compiled artefacts are cached on disk under `cache_dir()/inductor` (TORCHINDUCTOR_CACHE_DIR if set), so a
-second start only re-traces (~10 s a bucket on 2 cores) instead of compiling (~1-2 min a bucket).
+Compiled artefacts are cached on disk under `cache_dir()/inductor` (TORCHINDUCTOR_CACHE_DIR if set). Measured on
+a 2-core Intel Xeon: 1-2.5 min a bucket the first time, and still ~60-70 s a bucket at a later start (the cache
+saves less than it should here; not yet understood).
 On CUDA the same graphs would want CUDA graphs over static buffers; that is not built yet (`compile` is CPU
 only and refuses CUDA with a message).
 """
