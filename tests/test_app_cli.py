@@ -12,7 +12,6 @@ import pytest
 from test_app_helpers import ROOT, tiny_model
 
 from app.cli import main, parse_auth, parser
-import eagle.chat.model_types as model_types
 from eagle.chat.model_types import (
     MODEL_TYPES, ModelLoadError, check_head_folder, model_type, pick_draft_dtype, pick_dtype, resolve,
 )  # fmt: skip

@@ -204,7 +204,7 @@ def table(result: dict) -> str:
         f"{result['rounds']} EAGLE rounds ({result['tree']}) over {result['prompts']} prompts; "
         f"tokens per round (tau) {result['tokens_per_round']:.2f}",
         "",
-        f"| phase | ms / round | % of round | calls / round |",
+        "| phase | ms / round | % of round | calls / round |",
         "|---|---:|---:|---:|",
     ]
     rows = [(LABELS[k], result["phases"][k]) for k, _ in PHASES] + [
