@@ -72,6 +72,13 @@ def test_packed_weights_exist_only_while_the_plan_uses_them():
         set_plan(model, {4: "fast"})
 
 
+def test_no_packed_copy_when_it_would_not_fit_in_memory(monkeypatch):
+    model = nn.Sequential(nn.Linear(16, 16))
+    install(model, {1: "linear"})
+    monkeypatch.setattr(few_rows, "_copy_fits", lambda layers: False)  # e.g. a 7B float32 base on a small machine
+    assert set_plan(model, {4: "packed"}) == {4: "linear"} and model[0].packed is None
+
+
 def test_install_touches_only_float32_cpu_linears():
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4).to(torch.bfloat16), nn.Embedding(5, 4))
     keys = list(model.state_dict())

@@ -8,7 +8,8 @@ is memory bandwidth, and which kernel streams best depends on the CPU and the ro
   AMD EPYC it took a 1-row forward of SmolLM2-135M from 43 to 27 ms; on an Intel Xeon it lost;
 - "packed": MKL's packed GEMM on a weight packed once at load for PACKED_ROWS rows (inputs padded with zero rows):
   the weight is streamed once with no repacking, so 16 rows cost about 1.4x one row. It keeps a second copy of
-  every weight (the default 135M model: +538 MB).
+  every weight (the default 135M model: +538 MB), so it is used only while that copy fits in 30% of the memory
+  available (else those rows take F.linear).
 A *plan* maps each row count to a kernel: `DEFAULT_PLAN` without a measurement, or the fastest kernel per row
 count as timed on this machine (`tuner.few_row_plan`). Rows beyond MAX_ROWS always take F.linear.
 
@@ -112,9 +113,9 @@ def set_plan(model: nn.Module, plan: dict[int, str]) -> dict[int, str]:
     if unknown:
         raise ValueError(f"unknown few-row kernels {sorted(unknown)}; choose from {KERNELS}")
     plan = {int(rows): kernel for rows, kernel in plan.items() if 1 <= int(rows) <= MAX_ROWS}
-    if "packed" in plan.values() and not packed_kernel_available():
-        plan = {rows: "linear" if kernel == "packed" else kernel for rows, kernel in plan.items()}
     layers = _layers(model)
+    if "packed" in plan.values() and not (packed_kernel_available() and _copy_fits(layers)):
+        plan = {rows: "linear" if kernel == "packed" else kernel for rows, kernel in plan.items()}
     for layer in layers:
         layer.plan = plan
         if "packed" not in plan.values():
@@ -123,6 +124,18 @@ def set_plan(model: nn.Module, plan: dict[int, str]) -> dict[int, str]:
             with torch.no_grad():
                 layer.packed = torch.ops.mkl._mkl_reorder_linear_weight(layer.weight.detach(), PACKED_ROWS)
     return plan
+
+
+def _copy_fits(layers: list[FewRowLinear], share: float = 0.3) -> bool:
+    """Whether a packed copy of these layers' weights fits in `share` of the memory available now (Linux;
+    elsewhere assumed to fit): a 7B float32 base would need another 28 GB."""
+    unpacked = sum(layer.weight.numel() * 4 for layer in layers if layer.packed is None)
+    try:
+        with open("/proc/meminfo") as f:
+            available = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        return True
+    return unpacked <= share * available
 
 
 def plan_of(model: nn.Module) -> dict[int, str] | None:
