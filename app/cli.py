@@ -6,7 +6,7 @@ import argparse
 import os
 import sys
 
-from eagle.chat.model_types import ALIASES, DTYPES, MODEL_TYPES, ModelLoadError
+from eagle.chat.model_types import ALIASES, COMPILE_MODES, DTYPES, MODEL_TYPES, ModelLoadError
 
 EXAMPLES = """examples:
   python launch.py                                   # SmolLM2-135M-Instruct + its EAGLE-3 head, on CPU
@@ -37,7 +37,7 @@ def parser() -> argparse.ArgumentParser:
                    "drafts faster on this machine (timed once, cached; lossless: the base verifies every token), "
                    "else the base's")  # fmt: skip
     p.add_argument("--device-map", default=None, help="transformers device_map (default: auto on GPU, cpu)")
-    p.add_argument("--compile", default="auto", choices=("auto", "on", "off"),
+    p.add_argument("--compile", default="auto", choices=COMPILE_MODES,
                    help="compiled base forwards on CPU: on = compile at start (minutes the first time, then cached "
                    "on disk; eager if it fails), off, auto = on where a start with 'on' measured them faster "
                    "on this machine (default)")  # fmt: skip

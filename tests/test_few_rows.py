@@ -5,14 +5,12 @@ import torch
 from torch import nn
 
 from eagle.model import few_rows
-from eagle.model.few_rows import KERNELS, MAX_ROWS, FewRowLinear, few_row_kernels, install, set_plan, uninstall
+from eagle.model.few_rows import (
+    MAX_ROWS, FewRowLinear, few_row_kernels, install, set_plan, uniform_plan, uninstall, usable_kernels,
+)  # fmt: skip
 
 
-def usable(kernel: str) -> bool:
-    return kernel != "packed" or few_rows.packed_kernel_available()
-
-
-@pytest.mark.parametrize("kernel", [k for k in KERNELS if usable(k)])
+@pytest.mark.parametrize("kernel", usable_kernels())
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, MAX_ROWS, MAX_ROWS + 1, 40])
 def test_each_kernel_matches_nn_linear_for_any_row_count(rows, bias, kernel):
@@ -20,7 +18,7 @@ def test_each_kernel_matches_nn_linear_for_any_row_count(rows, bias, kernel):
     ref = nn.Linear(48, 80, bias=bias)
     fast = nn.Linear(48, 80, bias=bias)
     fast.load_state_dict(ref.state_dict())
-    assert install(fast, {n: kernel for n in range(1, MAX_ROWS + 1)}) == 1 and type(fast) is FewRowLinear
+    assert install(fast, uniform_plan(kernel)) == 1 and type(fast) is FewRowLinear
     x = torch.randn(1, rows, 48)
     with few_row_kernels():
         y = fast(x)
@@ -34,7 +32,7 @@ def test_a_row_of_the_packed_kernel_does_not_depend_on_the_other_rows():
         pytest.skip("MKL packing is not available in this torch build")
     torch.manual_seed(0)
     layer = nn.Linear(64, 96)
-    install(layer, {n: "packed" for n in range(1, MAX_ROWS + 1)})
+    install(layer, uniform_plan("packed"))
     x = torch.randn(5, 64)
     with few_row_kernels():
         alone = layer(x[:1])

@@ -61,6 +61,7 @@ MODEL_TYPES: dict[str, ModelType] = {
 }  # fmt: skip
 ALIASES = {"llama-3-instruct": "llama3", "llama-2-chat": "llama2", "llama-3.1-instruct": "llama3.1"}
 DTYPES = ("auto", "float32", "float16", "bfloat16")
+COMPILE_MODES = ("auto", "on", "off")  # EaModel.from_pretrained(compile=...), eagle/model/compiled.py
 
 
 class ModelLoadError(RuntimeError):

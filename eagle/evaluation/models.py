@@ -13,7 +13,7 @@ import contextlib
 import sys
 
 from eagle.chat.model_types import (
-    ALIASES, DTYPES, MODEL_TYPES, LoadedModel, ModelLoadError, ModelType, load, model_type,
+    ALIASES, COMPILE_MODES, DTYPES, MODEL_TYPES, LoadedModel, ModelLoadError, ModelType, load, model_type,
 )  # fmt: skip
 
 
@@ -33,7 +33,7 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
                    help="the head's dtype; auto: under a float32 base on CPU, float32 or bfloat16, whichever "
                    "drafts faster on this machine (timed once, cached), else the base's")  # fmt: skip
     g.add_argument("--device-map", default=None, help="transformers device_map (default: 'auto' on GPU, CPU otherwise)")
-    g.add_argument("--compile", choices=("auto", "on", "off"), default="auto",
+    g.add_argument("--compile", choices=COMPILE_MODES, default="auto",
                    help="compiled base forwards on CPU (eagle/model/compiled.py): on (minutes the first time, "
                    "cached), off, or auto = on where a start with 'on' measured them faster (default)")  # fmt: skip
 

@@ -36,10 +36,9 @@ def measure(model, rows: list[int], context: int, repeats: int) -> dict:
     plan = few_rows.plan_of(base)  # None: the plan measured all-F.linear here, or not float32 on CPU
     result = {"rows": rows, "engine_ms": ms(), "plan": plan, "kernel_ms": {}}
     if plan is not None or few_rows.install(base):
-        kernels = [k for k in few_rows.KERNELS if k != "packed" or few_rows.packed_kernel_available()]
         try:
-            for k in kernels:
-                few_rows.set_plan(base, {n: k for n in range(1, few_rows.MAX_ROWS + 1)})
+            for k in few_rows.usable_kernels():
+                few_rows.set_plan(base, few_rows.uniform_plan(k))
                 result["kernel_ms"][k] = ms()
         finally:
             few_rows.set_plan(base, plan) if plan is not None else few_rows.uninstall(base)

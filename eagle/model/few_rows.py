@@ -37,6 +37,16 @@ def packed_kernel_available() -> bool:
     return torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_reorder_linear_weight")
 
 
+def usable_kernels() -> list[str]:
+    """The kernels this torch build can run ("packed" needs MKL's packing)."""
+    return [k for k in KERNELS if k != "packed" or packed_kernel_available()]
+
+
+def uniform_plan(kernel: str) -> dict[int, str]:
+    """`kernel` for every row count (what the tuner and pass_cost time, one kernel at a time)."""
+    return {rows: kernel for rows in range(1, MAX_ROWS + 1)}
+
+
 @torch.library.custom_op("eagle::mkl_packed_linear", mutates_args=())
 def mkl_packed_linear(
     x: torch.Tensor, packed: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
@@ -161,4 +171,3 @@ def few_row_kernels():
         yield
     finally:
         _enabled.reset(token)
-

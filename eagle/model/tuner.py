@@ -176,12 +176,12 @@ def few_row_plan(model, log=None) -> dict[int, str]:
     path = _cache_path(model, "-few-row-plan")
     saved = _load(path)
     if saved is None:
-        kernels = [k for k in few_rows.KERNELS if k != "packed" or few_rows.packed_kernel_available()]
+        kernels = few_rows.usable_kernels()
         ms: dict[str, dict[int, float]] = {k: {} for k in kernels}
         try:
             for _ in range(3):
                 for k in kernels:
-                    few_rows.set_plan(base, {rows: k for rows in range(1, few_rows.MAX_ROWS + 1)})
+                    few_rows.set_plan(base, few_rows.uniform_plan(k))
                     for n, s in model.base.pass_seconds(list(PLAN_ROWS), repeats=3).items():
                         ms[k][n] = min(ms[k].get(n, float("inf")), 1e3 * s)
         finally:
