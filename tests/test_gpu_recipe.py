@@ -117,3 +117,53 @@ def test_run_turns_an_input_bundle_into_a_results_bundle_with_a_lossless_head(in
     ref = model.base_model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=20,
                                     min_new_tokens=20)  # fmt: skip
     assert model.eagenerate(ids, max_new_tokens=20, stop_token_ids=[]).tolist() == ref.tolist()
+
+
+def test_run_trains_on_a_previous_runs_conversations_and_rederives_the_vocabulary(inputs, tmp_path):
+    """An earlier run's generated.jsonl.gz travels as previous.jsonl.gz: its conversations come after this run's
+    (so its held-out end stays held out), and --revocab re-derives the started-from head's draft vocabulary."""
+    first, second = tmp_path / "first", tmp_path / "second"
+    common = ["--device", "cpu", "--gen-chunk", "8", "--gen-batch", "8", "--max-len", "48", "--max-new-tokens", "16",
+              "--epochs", "1", "--batch-tokens", "256", "--ttt-steps", "2", "--eval-samples", "4",
+              "--eval-every", "10", "--bench-per-category", "0"]  # fmt: skip
+    main(["run", "--inputs", str(inputs / "in"), "--work", str(first), "--results", str(first / "results"),
+          "--init-from", "", "--openings", "16", *common])  # fmt: skip
+    files = {n: p for n, p in unpack(inputs / "in", tmp_path / "files").items()}
+    files["previous.jsonl.gz"] = first / "generated.jsonl.gz"
+    pack(files, tmp_path / "in2", max_part_bytes=64 << 10)
+    main(["run", "--inputs", str(tmp_path / "in2"), "--work", str(second), "--results", str(second / "results"),
+          "--init-from", str(first / "head"), "--revocab", *common])  # fmt: skip
+    log = (second / "run" / "log.jsonl").read_text()
+    assert (second / "cache-3-1").is_dir()  # 24 openings in 3 new chunks + the previous run's 16 conversations
+    from eagle.train.data import CachedData
+
+    data = CachedData(second / "cache-3-1")
+    previous = [json.loads(x) for x in gzip.open(first / "generated.jsonl.gz", "rt")]
+    assert len(data) == 24 + len(previous) and len(previous) == 16
+    assert torch.equal(data.ids_and_mask(len(data) - 1)[0], CachedData(first / "cache-2-0").ids_and_mask(15)[0])
+    assert log  # trained
+
+
+def test_revocab_keeps_trained_rows_and_covers_the_new_replies():
+    from eagle.model.draft_head import DraftConfig, DraftHead
+    from eagle.train.fit import revocab
+    from eagle.train.vocab import draft_vocab
+
+    base = tiny_base("llama", vocab=VOCAB, layers=4)
+    cfg = {**base.config.to_dict(), "draft_vocab_size": 8}
+    head = DraftHead(DraftConfig.from_dict(cfg, True), own_embedding=False)
+    old_counts = torch.zeros(VOCAB, dtype=torch.long)
+    old_counts[:8] = 10  # old vocabulary: ids 0..7
+    d2t, t2d = draft_vocab(old_counts, 8)
+    head.d2t.copy_(d2t), head.t2d.copy_(t2d)
+    trained = head.lm_head.weight.detach().clone()
+    counts = torch.zeros(VOCAB, dtype=torch.long)
+    counts[4:12] = 5  # new replies use ids 4..11
+    lm_head = torch.randn(VOCAB, cfg["hidden_size"])
+    revocab(head, counts, lm_head, log=lambda _: None)
+    assert head.to_target_ids(torch.arange(8)).tolist() == list(range(4, 12))
+    assert head.t2d.nonzero().flatten().tolist() == list(range(4, 12))
+    w = head.lm_head.weight.detach()
+    assert torch.equal(w[:4], trained[4:8])  # ids 4..7 keep their trained rows
+    scale = trained[4:8].norm(dim=1).median() / lm_head[4:8].norm(dim=1).median()
+    assert torch.allclose(w[4:], lm_head[8:12] * scale)  # new ids 8..11: the base's rows, scaled

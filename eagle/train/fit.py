@@ -53,6 +53,7 @@ class FitConfig:
     bias: bool = True  # EAGLE-1/2 fc bias
     include_embedding: bool = True  # EAGLE-1/2: ship embed_tokens.weight, as the reference does
     init_from: str | None = None  # start from an exported head folder or a checkpoints/step_*.pt
+    revocab: bool = False  # EAGLE-3 with init_from: re-derive the draft vocabulary from this data (`revocab`)
     lm_head_init: str = "base"  # EAGLE-3: "base" = base lm_head rows (+ 0.1 x its final norm); "random" = reference
     eval_samples: int = 64  # held out from the end of each dataset (at most 10% of it)
     eval_every: int = 200
@@ -179,6 +180,8 @@ def build_head(cfg: FitConfig, items: Items, config: dict, log) -> DraftHead:
         own = head.state_dict()
         head.load_state_dict({k: v.to(own[k].dtype) for k, v in state.items()}, strict=True)
         log(f"initialised from {cfg.init_from}")
+        if eagle3 and cfg.revocab:
+            revocab(head, counts, items.sets[0].base_weights()["lm_head"], log)
     elif eagle3:
         base = items.sets[0].base_weights()
         d2t, t2d = draft_vocab(counts, config["draft_vocab_size"])
@@ -194,6 +197,29 @@ def build_head(cfg: FitConfig, items: Items, config: dict, log) -> DraftHead:
         log(f"draft vocabulary: {config['draft_vocab_size']} of {config['vocab_size']} ids, covering "
             f"{coverage(counts, head.t2d):.2%} of the {int(counts.sum())} training reply tokens")  # fmt: skip
     return head
+
+
+@torch.no_grad()
+def revocab(head: DraftHead, counts: torch.Tensor, base_lm_head: torch.Tensor, log) -> None:
+    """Re-derive a trained EAGLE-3 head's draft vocabulary from `counts` [V] (same size). An id kept keeps its
+    trained lm_head row; a new id starts from the base's output row [H], scaled to the trained rows' median norm."""
+    size = head.d2t.numel()
+    before = coverage(counts, head.t2d)
+    old_ids = head.to_target_ids(torch.arange(size))  # [N] target id of each old draft id
+    d2t, t2d = draft_vocab(counts, size)
+    new_ids = torch.arange(size) + d2t  # [N]
+    row_of = torch.full((counts.numel(),), -1, dtype=torch.long)
+    row_of[old_ids] = torch.arange(size)
+    kept = row_of[new_ids]  # [N] old row of each new draft id, -1 = new id
+    old_rows, base_rows = head.lm_head.weight.detach().clone(), base_lm_head[new_ids].float()  # [N, H]
+    shared = kept >= 0
+    scale = old_rows[kept[shared]].norm(dim=1).median() / base_rows[shared].norm(dim=1).median()
+    rows = torch.where(shared[:, None], old_rows[kept.clamp(min=0)], base_rows * scale)
+    head.d2t.copy_(d2t)
+    head.t2d.copy_(t2d)
+    head.lm_head.weight.copy_(rows.to(head.lm_head.weight.dtype))
+    log(f"draft vocabulary re-derived: {int(shared.sum())} of {size} ids kept, coverage of the training replies "
+        f"{before:.2%} -> {coverage(counts, t2d):.2%}")
 
 
 def lr_lambda(warmup: int, total: int, min_ratio: float):

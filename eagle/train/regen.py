@@ -80,11 +80,18 @@ def opening(messages: list[dict]) -> list[dict]:
     return list(messages[:first])
 
 
+def prompt_of(messages: list[dict]) -> list[dict]:
+    """What a reply is generated for: the whole conversation when it ends with a user turn (a later turn, after
+    earlier replies), else its opening."""
+    return list(messages) if messages and messages[-1]["role"] == "user" else opening(messages)
+
+
 @torch.inference_mode()
 def regenerate_first_turns(model, tokenizer, template, conversations: list[list[dict]], max_len: int,
                            max_new_tokens: int, temperature: float = 0.0, batch_size: int = 32,
                            ) -> list[tuple[list[dict], bool] | None]:  # fmt: skip
-    """Each conversation's opening plus the base's own first reply, generated `batch_size` conversations at a
+    """Each conversation's prompt (`prompt_of`: its opening, or the whole conversation when it ends with a user
+    turn) plus the base's own reply, generated `batch_size` conversations at a
     time. Prompts are sorted by length so a batch pads little; rows are left-padded and their positions come from
     the attention mask, so a row's greedy reply is the one it gets alone (up to float rounding across batch
     shapes).
@@ -95,7 +102,7 @@ def regenerate_first_turns(model, tokenizer, template, conversations: list[list[
     stops = sorted(stop_set)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (stops[0] if stops else 0)
     device = model.get_input_embeddings().weight.device
-    openings = [opening(c) for c in conversations]
+    openings = [prompt_of(c) for c in conversations]
     prompts = [_prompt_ids(tokenizer, template, o) if o and o[-1]["role"] == "user" else None for o in openings]
     results: list[tuple[list[dict], bool] | None] = [None] * len(conversations)
     order = sorted((i for i, p in enumerate(prompts) if p is not None and max_len - len(p) >= 8),
