@@ -3,6 +3,9 @@
 Features handed to the draft head:
 - EAGLE-1/2: the post-final-norm last hidden state [.., H] (what transformers returns as `last_hidden_state`);
 - EAGLE-3: hidden_states[2], [L // 2], [L - 3] concatenated [.., 3H] (the inputs of those decoder layers).
+
+Logits are the lm_head's followed by the base's own processing (soft-capping, scaling: eagle/model/logits.py), as
+its `*ForCausalLM.forward` computes them; a base whose forward does something else is refused at construction.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from torch import nn
 
 from . import few_rows
 from .kv_cache import TreeKVCache
+from .logits import logit_transform
 from .timing import repeated_seconds
 
 
@@ -37,7 +41,10 @@ def tree_mask(prefix_len: int, ancestors: torch.Tensor, dtype: torch.dtype, devi
 
 
 class BaseModel:
-    """Thin runner around a `*ForCausalLM`: one forward, logits only for the rows asked, features when needed."""
+    """Thin runner around a `*ForCausalLM`: one forward, logits only for the rows asked, features when needed.
+
+    Invariant: the logits it returns are those of the model's own forward for the same hidden states (checked
+    at construction by `check_logits`)."""
 
     def __init__(self, model: nn.Module, eagle3: bool):
         self.model = model
@@ -50,8 +57,49 @@ class BaseModel:
         self.feature_layers = eagle3_feature_layers(self.num_layers) if eagle3 else None
         self.dtype = self.lm_head.weight.dtype
         self.input_device = model.get_input_embeddings().weight.device
+        self.logit_transform = logit_transform(model.config)  # None = the lm_head's logits are the model's
         few_rows.install(model)  # float32 CPU layers: faster decode-sized matmuls (see few_rows.py)
         self.compiled = None  # a CompiledDecode once `compile` is called
+        self.check_logits()
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Hidden states [..., H] (post final norm) -> the base's logits [..., V]: lm_head, then its processing."""
+        logits = self.lm_head(hidden.to(self.lm_head.weight.device))
+        return logits if self.logit_transform is None else self.logit_transform(logits)
+
+    @torch.no_grad()
+    def check_logits(self, tokens: int = 8) -> None:
+        """Refuse a base whose forward turns hidden states into logits otherwise than `logits` does.
+
+        One forward of the model over `tokens` fixed ids, no cache; the decoder's output is captured on its way, so both
+        sides see the very same hidden states and differ only by what follows the decoder. Tolerance, relative to
+        the largest logit: 1e-3 in float32, 2e-2 in 16-bit dtypes (room for rounding, as minicpm3's division of
+        the hidden state before the lm_head; a scale or a cap that matters is far beyond it)."""
+        captured = []
+        hook = self.decoder.register_forward_hook(lambda module, args, out: captured.append(out[0]))
+        step = max(1, self.vocab_size // (2 * tokens))  # the first half: multimodal placeholders sit at the end
+        ids = (torch.arange(tokens) * step % self.vocab_size)[None].to(self.input_device)  # [1, tokens]
+        try:
+            own = self.model(input_ids=ids, use_cache=False).logits  # [1, tokens, V']
+        finally:
+            hook.remove()
+        if not captured:
+            found = "its forward never ran get_decoder()"
+        else:
+            ours = self.logits(captured[0])  # [1, tokens, V]
+            if ours.shape != own.shape:
+                found = f"its logits have shape {list(own.shape)}, lm_head's {list(ours.shape)}"
+            else:
+                error = float((ours.float() - own.float().to(ours.device)).abs().max() / own.float().abs().max())
+                if error <= (1e-3 if self.dtype == torch.float32 else 2e-2):
+                    return
+                found = f"they differ by {error:.1%} of the largest logit"
+        raise ValueError(
+            f"{type(self.model).__name__} (model_type {self.model.config.model_type!r}) is not supported: its "
+            f"forward processes the lm_head's logits in a way this engine does not apply ({found}), so EAGLE "
+            "decoding would not follow its distribution. If the processing is an elementwise function of the "
+            "config, add the model type to TRANSFORMS in eagle/model/logits.py."
+        )
 
     def new_cache(self, capacity: int) -> TreeKVCache:
         slack = max(self.compiled.buckets) if self.compiled is not None else 0  # a padded pass writes a bucket
@@ -95,8 +143,7 @@ class BaseModel:
             use_cache=True, **kwargs,
         )  # fmt: skip
         hidden = out.last_hidden_state[0]  # [q, H], post final norm
-        rows = hidden[-1:] if last_logits_only else hidden
-        logits = self.lm_head(rows.to(self.lm_head.weight.device))  # [q or 1, V]
+        logits = self.logits(hidden[-1:] if last_logits_only else hidden)  # [q or 1, V]
         if not features:
             return logits, None
         if self.feature_layers is None:

@@ -1,11 +1,11 @@
 """Compiled base forwards: the vanilla step and the tree verify pass as inductor graphs (torch.compile).
 
-What is compiled is `BaseModel.decode`, transformers' own decoder plus the lm_head, for a fixed number of new
-rows, a *bucket*: 1 (the vanilla step) and 16 (tree verification). The context length stays symbolic
-(`dynamic=True`), so a bucket compiles once and never again as the context grows or a new cache is allocated.
-A tree with fewer rows than its bucket is padded with rows that see only the committed prefix and themselves;
-their logits, features and cache rows are dropped before anyone sees them, so padding never changes the
-output. Prefill, and trees wider than the largest bucket, run eagerly.
+What is compiled is `BaseModel.decode`, transformers' own decoder plus the lm_head and the base's logit processing,
+for a fixed number of new rows, a *bucket*: 1 (the vanilla step) and 16 (tree verification). The context length
+stays symbolic (`dynamic=True`), so a bucket compiles once and never again as the context grows or a new cache is
+allocated. A tree with fewer rows than its bucket is padded with rows that see only the committed prefix and
+themselves; their logits, features and cache rows are dropped before anyone sees them, so padding never changes
+the output. Prefill, and trees wider than the largest bucket, run eagerly.
 
 Where the time goes that this removes: on a 2-core CPU a SmolLM2-135M forward spends about as long in the
 small operations between the matmuls (norms, rotary, attention, residuals, Python dispatch) as in the matmuls

@@ -30,8 +30,9 @@ from .ttt import live_positions, shift, unrolled_forward
 
 @torch.no_grad()
 def profile_sums(head, embed: torch.nn.Module, base_lm_head: torch.Tensor, batch: dict, depth: int, top_k: int,
-                 temperatures: tuple[float, ...]) -> dict[str, torch.Tensor]:  # fmt: skip
-    """Sums over one collated batch (`fit.collate`): "count/T" [depth] positions and "hits/T" [depth, top_k]."""
+                 temperatures: tuple[float, ...], transform=None) -> dict[str, torch.Tensor]:  # fmt: skip
+    """Sums over one collated batch (`fit.collate`): "count/T" [depth] positions and "hits/T" [depth, top_k].
+    `transform`: the base's processing of its logits (eagle/model/logits.py), None = none."""
     outs = unrolled_forward(head, embed, batch["features"], batch["input_ids"], depth)
     sums: dict[str, torch.Tensor] = {}
     on_path = torch.ones_like(batch["loss_mask"])  # the data so far is the base's greedy path
@@ -51,7 +52,10 @@ def profile_sums(head, embed: torch.nn.Module, base_lm_head: torch.Tensor, batch
                 count = keep.sum()
             else:
                 hidden = shift(batch["hidden"], d + 1)[live].float()  # [N, H] its logits give this depth's token
-                p = (hidden @ base_lm_head.T.float() / t).softmax(-1)  # [N, V]
+                base_logits = hidden @ base_lm_head.T.float()  # [N, V]
+                if transform is not None:
+                    base_logits = transform(base_logits)
+                p = (base_logits / t).softmax(-1)  # [N, V]
                 hits, count = p.gather(1, cand).sum(0), live.sum()
             sums.setdefault(f"hits/{key}", torch.zeros(depth, top_k))[d, : hits.numel()] += hits.cpu()
             sums.setdefault(f"count/{key}", torch.zeros(depth))[d] += count.cpu()
@@ -62,8 +66,11 @@ def profile_sums(head, embed: torch.nn.Module, base_lm_head: torch.Tensor, batch
 def acceptance_profile(head, data, indices: list[int], depth: int = 7, top_k: int = 10,
                        temperatures: tuple[float, ...] = (0.0, 0.7), batch_tokens: int = 4096) -> dict:  # fmt: skip
     """The profile over samples `indices` of `data` (a `CachedData`), as a JSON-ready dict."""
+    from eagle.model.logits import logit_transform
+
     from .fit import collate, make_batches
 
+    transform = logit_transform(data.meta["base_config"], data.meta.get("base_model_type"))
     weights = data.base_weights()
     embed = torch.nn.Embedding.from_pretrained(weights["embed"].float())
     lm_head = weights["lm_head"].float()
@@ -71,7 +78,7 @@ def acceptance_profile(head, data, indices: list[int], depth: int = 7, top_k: in
     totals: dict[str, torch.Tensor] = {}
     for b in make_batches([data.length(i) for i in indices], batch_tokens, 0):
         batch = collate([data[indices[i]] for i in b], head.eagle3, "cpu")
-        for k, v in profile_sums(head, embed, lm_head, batch, depth, top_k, temperatures).items():
+        for k, v in profile_sums(head, embed, lm_head, batch, depth, top_k, temperatures, transform).items():
             totals[k] = totals.get(k, 0) + v
     result = {"depth": depth, "top_k": top_k, "samples": len(indices), "accept": {}, "positions": {}}
     for t in temperatures:

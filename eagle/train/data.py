@@ -2,14 +2,16 @@
 
 A cache is a folder (``$EAGLE_CACHE/train/<name>``, default ``~/.cache/eagle/train/<name>``) holding
 
-    meta.json                    how it was made (base model, template, recipe, max_len, ...) and the base config
+    meta.json                    how it was made (base model, template, recipe, max_len, ...), the base's text config
+                                 and model type (its logit processing, eagle/model/logits.py, derives from them)
     base.safetensors             embed [V, H], lm_head [V, H] (absent when tied), norm [H]: the frozen base weights
     shard_00000.safetensors ...  samples concatenated along the token axis (offsets [n + 1] delimit them):
         input_ids [N] int32       the conversation tokens x_t
         loss_mask [N] uint8       1 where x_t belongs to an assistant reply (or is its end-of-turn token)
-        hidden    [N, H] bf16     the base's post-final-norm last hidden state h_t (logits = lm_head(h_t));
+        hidden    [N, H] bf16     the base's post-final-norm last hidden state h_t (its logits: lm_head(h_t));
                                   also the EAGLE-1/2 feature f_t
-        argmax    [N] int32       argmax of lm_head(h_t) over the full vocabulary: the base's greedy next token
+        argmax    [N] int32       argmax of the base's logits (lm_head(h_t), then its logit processing) over the
+                                  full vocabulary: the base's greedy next token
         taps      [N, 3H] bf16    EAGLE-3 only: hidden_states[2], [L//2], [L-3] concatenated (low, mid, high)
 
 Shards are written atomically and skipped when present, so an interrupted `prepare` resumes where it stopped,
@@ -28,6 +30,7 @@ from pathlib import Path
 import torch
 
 from eagle.model.base import eagle3_feature_layers
+from eagle.model.logits import logit_transform
 
 from .cpu import keep_freed_memory
 from .export import write_safetensors
@@ -96,7 +99,13 @@ class FeatureExtractor:
         cfg = model.config.get_text_config()
         self.taps = eagle3_feature_layers(cfg.num_hidden_layers) if eagle3 else None
         self.lm_head = model.get_output_embeddings()
+        self.transform = logit_transform(model.config)  # the base's processing after lm_head; None = none
         self.chunk = logits_chunk
+
+    def greedy(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[n, H] post-final-norm hidden states -> [n] the base's greedy next tokens (argmax of its own logits)."""
+        logits = self.lm_head(hidden)  # [n, V]
+        return (logits if self.transform is None else self.transform(logits)).argmax(-1)
 
     def __call__(self, ids: torch.Tensor) -> dict[str, torch.Tensor]:
         """ids [T] -> hidden [T, H], argmax [T], taps [T, 3H] (EAGLE-3), on the CPU."""
@@ -122,7 +131,7 @@ class FeatureExtractor:
             out = self.model.get_decoder()(input_ids=ids.to(device), use_cache=False, **kwargs)
             hidden = out.last_hidden_state  # [B, T, H] post final norm
             flat = hidden.flatten(0, 1)
-            argmax = torch.cat([self.lm_head(h).argmax(-1) for h in flat.split(self.chunk)]).view(len(rows), width)
+            argmax = torch.cat([self.greedy(h) for h in flat.split(self.chunk)]).view(len(rows), width)
             taps = torch.cat([out.hidden_states[i] for i in self.taps], dim=-1) if self.taps else None  # [B, T, 3H]
             for r, i in enumerate(rows):
                 n = len(seqs[i])
@@ -230,6 +239,7 @@ def prepare(cfg: PrepareConfig, conversations: list | None = None, log=print) ->
     meta = {
         "format": FORMAT_VERSION, "prepare": _meta_key(cfg), "recipe": cfg.recipe, "has_taps": cfg.recipe == "eagle3",
         "feature_layers": list(extractor.taps) if extractor.taps else None, "base_config": text_cfg.to_dict(),
+        "base_model_type": model.config.model_type,
         "hidden_size": text_cfg.hidden_size, "vocab_size": extractor.lm_head.weight.shape[0],
         "num_conversations": len(conversations), "complete": False,
     }  # fmt: skip

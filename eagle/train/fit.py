@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from eagle.model.draft_head import DraftConfig, DraftHead
+from eagle.model.logits import logit_transform
 
 from .cpu import keep_freed_memory
 from .data import CachedData
@@ -307,7 +308,9 @@ def fit(cfg: FitConfig, log=print) -> Path:
         head = build_head(cfg, items, config, say)
     base = items.sets[0].base_weights()
     noise = cfg.noise if cfg.noise is not None else (0.0 if eagle3 else 0.2)
-    trainer = DraftTrainer(head, base["embed"], base["lm_head"], cfg.ttt_steps, cfg.decay, cfg.p_weight, noise)
+    transform = logit_transform(meta["base_config"], meta.get("base_model_type"))  # soft targets: the base's logits
+    trainer = DraftTrainer(head, base["embed"], base["lm_head"], cfg.ttt_steps, cfg.decay, cfg.p_weight, noise,
+                           transform)  # fmt: skip
     embedding = base["embed"] if (not eagle3 and cfg.include_embedding) else None
     del base
     n_params = sum(p.numel() for p in head.parameters() if p.requires_grad)

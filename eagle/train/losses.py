@@ -6,9 +6,13 @@ that vocabulary); positions whose base argmax is outside the draft vocabulary ar
 loss_k. No feature regression.
 
 EAGLE-1/2 (reference `eagle/train/main.py`): one step; smooth-L1 between the predicted and the real next feature
-(averaged over the hidden dim) + 0.1 x soft cross-entropy of base_lm_head(predicted) against
-softmax(base_lm_head(real)) over the full vocabulary; the input features get uniform noise
+(averaged over the hidden dim) + 0.1 x soft cross-entropy of base logits of the predicted feature against
+softmax(base logits of the real one) over the full vocabulary; the input features get uniform noise
 U(-0.1, 0.1) * 512 / length during training.
+
+"Base logits" of a feature h are the base's own: lm_head(h), then the base's processing after its lm_head
+(soft-capping, scaling: eagle/model/logits.py; `logit_transform`), so soft targets follow the distribution the
+base samples from. The transforms are elementwise, so restricting to the draft vocabulary commutes with them.
 
 Both return the loss and metric *sums* (so they can be added across batches and processes): per step k the
 top-1 agreement with the base's greedy token, and the greedy top-1 chain length (accepted draft tokens per chain
@@ -16,6 +20,8 @@ start: an estimate of acceptance without a tree).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -36,17 +42,25 @@ class DraftTrainer(nn.Module):
         decay: float = 0.8,
         p_weight: float = 0.1,
         noise: float = 0.0,  # EAGLE-1/2 uniform noise width (0.2 in the reference: U(-0.1, 0.1) * 512 / len)
+        logit_transform: Callable[[torch.Tensor], torch.Tensor] | None = None,  # the base's, after lm_head
     ):
         super().__init__()
         self.head = head
         self.eagle3 = head.eagle3
         self.steps, self.decay, self.p_weight, self.noise = steps, decay, p_weight, noise
+        self.logit_transform = logit_transform
         # Frozen parameters, not buffers: DDP neither syncs nor broadcasts them.
         self.embed = nn.Embedding.from_pretrained(embed_weight.float(), freeze=True)
         if self.eagle3:
             rows = head.to_target_ids(torch.arange(head.config.draft_vocab_size, device=head.d2t.device))
             lm_head_weight = lm_head_weight[rows.to(lm_head_weight.device)]  # [Vd, H]
         self.target_head = nn.Parameter(lm_head_weight.float().clone(), requires_grad=False)
+
+    def base_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Features [..., H] -> the base's logits [..., V] (EAGLE-3: [..., Vd], the draft vocabulary's) in fp32:
+        target_head, then the base's processing."""
+        logits = (h @ self.target_head.T.to(h.dtype)).float()
+        return logits if self.logit_transform is None else self.logit_transform(logits)
 
     def forward(self, batch: dict[str, torch.Tensor], steps: int | None = None) -> tuple[torch.Tensor, dict]:
         steps = steps or (self.steps if self.eagle3 else 1)
@@ -72,7 +86,7 @@ class DraftTrainer(nn.Module):
             logp = head.lm_head(head.norm(out[keep])).float().log_softmax(-1)
             with torch.no_grad():
                 target = shift(batch["hidden"], k + 1)[keep]  # [N, H] h_{j+k+1}: its logits predict x_{j+k+2}
-                target_p = (target @ self.target_head.T.to(target.dtype)).float().softmax(-1)  # [N, Vd]
+                target_p = self.base_logits(target).softmax(-1)  # [N, Vd]
             ce = -(target_p * logp).sum(-1)  # [N]
             n = keep.sum()
             loss_k = ce.sum() / n.clamp(min=1)
@@ -90,19 +104,18 @@ class DraftTrainer(nn.Module):
         return loss, stats
 
     def _eagle1_loss(self, outs: list[torch.Tensor], batch: dict) -> tuple[torch.Tensor, dict]:
-        W = self.target_head  # [V, H]
         stats, correct, continues = {}, [], []
         loss = None
         for k, out in enumerate(outs):
             live = live_positions(batch["loss_mask"], batch["lengths"], k)
             greedy = shift(batch["argmax"], k + 1)
-            logits = (out @ W.T.to(out.dtype)).float()  # [B, T, V]
+            logits = self.base_logits(out)  # [B, T, V]
             if k == 0:
                 target = shift(batch["hidden"], 1)  # [B, T, H] the real next feature f_{j+1}
                 n = live.sum().clamp(min=1)
                 vloss = F.smooth_l1_loss(out.float(), target.float(), reduction="none").mean(-1)  # [B, T]
                 with torch.no_grad():
-                    target_p = (target @ W.T.to(target.dtype)).float().softmax(-1)  # [B, T, V]
+                    target_p = self.base_logits(target).softmax(-1)  # [B, T, V]
                 ploss = -(target_p * logits.log_softmax(-1)).sum(-1)  # [B, T]
                 vloss, ploss = (vloss * live).sum() / n, (ploss * live).sum() / n
                 loss = vloss + self.p_weight * ploss
