@@ -121,6 +121,11 @@ def make_handlers(engine):
             if throttle(u.done):
                 yield chat_messages(state, settings.highlight), figures_html(state["figures"], not u.done), state
 
+    def unanswered(state) -> bool:
+        """The last message waits for its reply (a reply is being written or queued)."""
+        last = state["turns"][-1] if state["turns"] else None
+        return last is not None and last["reply"] is None and not last.get("notice")
+
     def regenerate(state, highlight):
         if not state["turns"]:
             gr.Info("Nothing to regenerate yet.")
@@ -188,8 +193,8 @@ def make_handlers(engine):
             if throttle(u.done):
                 yield highlighted_html(u.text, u.marks), u.text, figs
 
-    return dict(add_message=add_message, bot=bot, regenerate=regenerate, clear=clear, stop=stop, rerender=rerender,
-                start_compare=start_compare, run_compare=run_compare, api_chat=api_chat)  # fmt: skip
+    return dict(add_message=add_message, bot=bot, unanswered=unanswered, regenerate=regenerate, clear=clear, stop=stop,
+                rerender=rerender, start_compare=start_compare, run_compare=run_compare, api_chat=api_chat)  # fmt: skip
 
 
 def summary_html(s: dict, done: bool) -> str:

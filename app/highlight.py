@@ -4,18 +4,20 @@
 and diffs the text, so a character split over several byte tokens appears once it is complete, and
 tokenizers that change a word's leading space with context (SentencePiece) come out right.
 
-`render` builds the chat message: plain markdown text, or, with highlighting on, one HTML block in which
-every piece of text is html-escaped before it is wrapped in ``<span class="acc">``. The HTML keeps the
-reply's layout without relying on the markdown parser (token boundaries cut through markdown syntax, so
-spans around tokens break it): lines are kept with ``white-space: pre-wrap`` and fenced code blocks become
-``<pre>`` blocks. The block is written on a single line (newlines as ``&#10;``) so that the chat's markdown
-renderer passes it through as one HTML block. The styles live in ``assets/app.css``.
+`render` builds the chat message: the markdown rendered here (`app.markdown_render`: lists, bold, headings,
+code and tables as HTML, sanitised), with highlighting on the accepted characters in ``<span class="acc">``. `highlighted_html` is the token view that the
+`/chat` endpoint returns: every character of the text kept as is (html-escaped, no markdown), lines kept
+with ``white-space: pre-wrap`` and fenced code in ``<pre>`` blocks, so `plain_text` gives the text back.
+Both are written on a single line (newlines as ``&#10;``) so that the chat's markdown renderer passes them
+through as one HTML block. The styles live in ``assets/app.css`` (and ``app.ui.MARKDOWN_CSS``).
 """
 
 from __future__ import annotations
 
 import html
 import re
+
+from .markdown_render import markdown_html
 
 REPLACEMENT = "\ufffd"  # what decoding an incomplete UTF-8 sequence gives
 
@@ -77,6 +79,28 @@ LEGEND_HTML = (
 )
 
 
+# Gradio labels every chat message with its raw content (`aria-label="bot's message: <div class=...`), so a
+# screen reader would read the reply's HTML tags. This page script (given to launch(js=...)) replaces each
+# label that holds markup or entities with its text, again whenever Gradio sets it anew (each streamed
+# update). A <template> parses the markup inert: nothing in it runs or loads. (Gradio has no option for
+# the label, and the page script changes only the attribute, not Gradio's code.)
+PLAIN_LABELS_JS = r"""() => {
+  const text = (label) => {  // a space after each block, so that "Title</h2><p>Text" reads "Title Text"
+    const t = document.createElement("template");
+    t.innerHTML = label.replace(/<\/(p|li|h[1-6]|th|td|pre|blockquote)>|<br>/g, "$& ");
+    return t.content.textContent.trim();
+  };
+  const fix = (el) => {
+    const label = el.getAttribute("aria-label");
+    if (label === el.dataset.plainLabel || !/[<&]/.test(label)) return;
+    el.dataset.plainLabel = text(label);
+    el.setAttribute("aria-label", el.dataset.plainLabel);
+  };
+  new MutationObserver(() => document.querySelectorAll("#chat [aria-label]").forEach(fix))
+    .observe(document.body, { subtree: true, childList: true, attributes: true, attributeFilter: ["aria-label"] });
+}"""
+
+
 def _escape(text: str) -> str:
     return html.escape(text, quote=True).replace("\n", "&#10;")
 
@@ -134,14 +158,16 @@ def highlighted_html(text: str, marks: list[list[int]]) -> str:
 
 
 def render(text: str, marks: list[list[int]], highlight: bool = True) -> str:
-    """The assistant message: highlighted HTML, or the plain text (rendered as markdown by the chat)."""
-    if not highlight:
-        return text
+    """The assistant message: the reply's markdown rendered and sanitised here, with the accepted draft tokens
+    highlighted, or without highlights when `highlight` is off. Either way the model's text reaches the page
+    only through `markdown_html`, so HTML it writes shows as text and never loads or runs."""
     if not text:
         return '<div class="eagle-tokens"></div>'
-    return highlighted_html(text, marks)
+    return markdown_html(text, marks if highlight else [])
 
 
 def plain_text(message_html: str) -> str:
-    """The text of a highlighted message (tags dropped, entities decoded): for tests and API users."""
+    """The text of a highlighted message (tags dropped, entities decoded): for tests and API users.
+
+    For `highlighted_html` that is the reply itself; for rendered markdown, the reply less its syntax."""
     return html.unescape(re.sub(r"<[^>]+>", "", message_html))

@@ -108,11 +108,17 @@ def clean_text(text) -> str:
 class Update:
     text: str = ""
     marks: list = field(default_factory=list)
-    html: str = ""
     figures: dict = field(default_factory=dict)
     done: bool = False
     error: str | None = None  # the message could not be answered (nothing was generated)
     vanilla: tuple[float, str] | None = None  # a vanilla tokens/s measured by this run, and what it was
+    highlight: bool = True  # whether `html` marks the accepted draft tokens
+
+    @property
+    def html(self) -> str:
+        """The reply as the chat shows it, rendered when asked: the handlers send only some updates (throttled),
+        so the rounds they skip cost no rendering next to the model."""
+        return render(self.text, self.marks, self.highlight)
 
 
 def _sampling(s: Settings) -> dict:
@@ -168,9 +174,9 @@ def respond(engine, message: str, turns: Sequence[Turn], settings: Settings,
         figs = with_vanilla(stats.as_dict(), *(measured or vanilla or (None, None)))
         figs.update(prompt_tokens=len(fit.ids), dropped_turns=fit.dropped, notice=notice,
                     input_notices=list(settings.notices))  # fmt: skip
-        html = render(reply.text, reply.marks, settings.highlight and settings.eagle)
         own = (stats.tokens_per_s, VANILLA_CHAT_SOURCE) if done and not settings.eagle and stats.rounds else None
-        return Update(reply.text, [list(m) for m in reply.marks], html, figs, done, vanilla=measured or own)
+        return Update(reply.text, [list(m) for m in reply.marks], figs, done, vanilla=measured or own,
+                      highlight=settings.highlight and settings.eagle)  # fmt: skip
 
     measured = None
     try:
@@ -202,10 +208,15 @@ def respond(engine, message: str, turns: Sequence[Turn], settings: Settings,
 
 @dataclass
 class Pane:
-    html: str = ""
     text: str = ""
+    marks: list = field(default_factory=list)
     figures: dict = field(default_factory=dict)
     running: bool = False
+
+    @property
+    def html(self) -> str:
+        """The pane's reply, highlighted, rendered when asked (the handler sends only some rounds)."""
+        return render(self.text, self.marks, True)
 
 
 @dataclass
@@ -235,7 +246,7 @@ def compare(engine, message: str, settings: Settings, stop: Callable[[], bool] =
                 panes.error, panes.done = u.error, True
                 yield panes
                 return
-            pane.html, pane.text, pane.figures = render(u.text, u.marks, True), u.text, u.figures
+            pane.text, pane.marks, pane.figures = u.text, u.marks, u.figures
             if eagle and vanilla_tps:
                 pane.figures = with_vanilla(u.figures, vanilla_tps, COMPARE_SOURCE)
             panes.summary = summary(panes)

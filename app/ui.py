@@ -13,7 +13,7 @@ from pathlib import Path
 import gradio as gr
 
 from .handlers import make_handlers, new_state, summary_html
-from .highlight import LEGEND_HTML
+from .highlight import LEGEND_HTML, PLAIN_LABELS_JS
 from .session import MAX_NEW_TOKENS_LIMIT
 from .stats import figures_html
 
@@ -39,8 +39,8 @@ def css() -> str:
 
 
 def launch_options() -> dict:
-    """Keyword arguments for `demo.launch` (Gradio 6 takes css there)."""
-    opts = {"css": css()}
+    """Keyword arguments for `demo.launch` (Gradio 6 takes css and js there)."""
+    opts = {"css": css(), "js": PLAIN_LABELS_JS}
     if (ASSETS / "logo.svg").is_file():
         opts["favicon_path"] = str(ASSETS / "logo.svg")
     return opts
@@ -87,7 +87,7 @@ def build(engine, max_new_tokens: int = 512, title: str = "EAGLE speculative dec
                                              autofocus=True)  # fmt: skip
                             send = gr.Button("Send", variant="primary", scale=1, min_width=80, elem_id="send")
                         with gr.Row():
-                            stop = gr.Button("Stop", variant="stop", elem_id="stop")
+                            stop = gr.Button("Stop", variant="stop", elem_id="stop", interactive=False)
                             regen = gr.Button("Regenerate", elem_id="regen")
                             clear = gr.Button("Clear", elem_id="clear")
                     with gr.Tab("EAGLE vs vanilla", id="compare"):
@@ -96,7 +96,7 @@ def build(engine, max_new_tokens: int = 512, title: str = "EAGLE speculative dec
                             cmp_msg = gr.Textbox(placeholder="A prompt to decode both ways (Enter to run)",
                                                  show_label=False, scale=6, lines=1, max_lines=6, elem_id="cmp_msg")  # fmt: skip
                             cmp_run = gr.Button("Run both", variant="primary", scale=1, min_width=80)
-                            cmp_stop = gr.Button("Stop", variant="stop", scale=1, min_width=80)
+                            cmp_stop = gr.Button("Stop", variant="stop", scale=1, min_width=80, interactive=False)
                         summary = gr.HTML(summary_html({}, False))
                         with gr.Row(equal_height=True):
                             with gr.Column():
@@ -142,13 +142,24 @@ def build(engine, max_new_tokens: int = 512, title: str = "EAGLE speculative dec
                       concurrency_limit=1, show_progress="minimal")  # fmt: skip
         hidden = dict(api_visibility="private")
         undocumented = dict(api_visibility="undocumented")
-        msg.submit(**add_io, api_name="add_message", **undocumented).then(**bot_io, api_name="respond", **undocumented)
-        send.click(**add_io, **hidden).then(**bot_io, **hidden)
-        regen.click(h["regenerate"], [state, highlight], [chatbot, state], queue=False, api_name="regenerate",
-                    **undocumented).then(**bot_io, **hidden)  # fmt: skip
-        cmp_run.click(h["start_compare"], [state], [state], queue=False, api_name="start_compare",
-                      **undocumented).then(**cmp_io, api_name="compare", **undocumented)  # fmt: skip
-        cmp_msg.submit(h["start_compare"], [state], [state], queue=False, **hidden).then(**cmp_io, **hidden)
+
+        def running(event, io: dict, button, waiting=lambda state: False, **api):
+            """`io` after `event`, with `button` (a Stop) live while it runs and greyed out after, unless
+            `waiting(state)`: another request of this session is queued behind it."""
+            live = dict(fn=lambda: gr.Button(interactive=True), inputs=None, outputs=button, queue=False, **hidden)
+            idle = dict(fn=lambda state: gr.Button(interactive=waiting(state)), inputs=[state], outputs=button,
+                        queue=False, **hidden)  # fmt: skip
+            return event.then(**live).then(**io, **api).then(**idle)
+
+        unanswered = h["unanswered"]
+        running(msg.submit(**add_io, api_name="add_message", **undocumented), bot_io, stop, unanswered,
+                api_name="respond", **undocumented)  # fmt: skip
+        running(send.click(**add_io, **hidden), bot_io, stop, unanswered, **hidden)
+        running(regen.click(h["regenerate"], [state, highlight], [chatbot, state], queue=False, api_name="regenerate",
+                            **undocumented), bot_io, stop, unanswered, **hidden)  # fmt: skip
+        running(cmp_run.click(h["start_compare"], [state], [state], queue=False, api_name="start_compare",
+                              **undocumented), cmp_io, cmp_stop, api_name="compare", **undocumented)  # fmt: skip
+        running(cmp_msg.submit(h["start_compare"], [state], [state], queue=False, **hidden), cmp_io, cmp_stop, **hidden)
         stop.click(h["stop"], [state], [state], queue=False, api_name="stop", **undocumented)
         cmp_stop.click(h["stop"], [state], [state], queue=False, **hidden)
         clear.click(h["clear"], [state], [chatbot, figures, state], queue=False, api_name="clear", **undocumented)

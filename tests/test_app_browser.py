@@ -125,12 +125,13 @@ def test_chat_in_a_real_browser(page):
     os.makedirs(os.path.dirname(os.path.abspath(SCREENSHOT)), exist_ok=True)
     driver.save_screenshot(SCREENSHOT)
 
-    # plain-text toggle: no highlight spans, then back
+    # plain-text toggle: the same rendered reply without highlight spans, then back
+    acc = "document.querySelectorAll('#chat .eagle-tokens .acc').length"
     toggle = driver.find_element(By.CSS_SELECTOR, "#highlight input")
     toggle.click()
-    wait_for(driver, f"{BOT}.length == 0", 30)
+    wait_for(driver, f"{BOT}.length == 1 && {acc} == 0", 30)
     toggle.click()
-    wait_for(driver, f"{BOT}.length == 1", 30)
+    wait_for(driver, f"{BOT}.length == 1 && {acc} == {n_acc}", 30)
 
 
 def set_number(driver, elem_id: str, value):
@@ -165,15 +166,38 @@ def test_an_empty_message_shows_a_notice_and_keeps_the_chat(page):
     assert driver.execute_script(f"return {users};") == before  # nothing was added to the conversation
 
 
+def test_an_overlong_message_gets_one_toast_and_a_notice(page):
+    driver, _ = page
+    driver.find_element(By.ID, "clear").click()
+    box = driver.find_element(By.CSS_SELECTOR, "#msg textarea")
+    # 100k characters typed at once (send_keys would take minutes): set the value as an input event would
+    driver.execute_script("const t = arguments[0]; Object.getOwnPropertyDescriptor(HTMLTextAreaElement.prototype, "
+                          "'value').set.call(t, 'w9 '.repeat(34000)); t.dispatchEvent(new Event('input', "
+                          "{bubbles: true}));", box)  # fmt: skip
+    time.sleep(0.5)
+    box.send_keys(Keys.ENTER)
+    toasts = ("Array.from(document.querySelectorAll('.toast-body')).filter(t => t.innerText.includes('prompt tokens'))"
+              ".length")  # fmt: skip
+    wait_for(driver, f"{toasts} >= 1", 60)
+    wait_for(driver, f"{FIGURES}.includes('shorten')", 30)  # the figures panel names the problem too
+    time.sleep(1.5)
+    assert driver.execute_script(f"return {toasts};") == 1
+    assert "shorten" in driver.find_element(By.CSS_SELECTOR, "#chat").text  # and the chat, under the message
+    driver.execute_script("document.querySelectorAll('.toast-close').forEach(b => b.click());")
+    wait_for(driver, "document.querySelectorAll('.toast-body').length == 0", 30)  # they cover the settings
+
+
 def test_stop_then_send_again_in_the_browser(page):
     driver, real = page
     driver.find_element(By.ID, "clear").click()
     wait_for(driver, f"{BOT}.length == 0 && {FIGURES}.includes('No reply yet')", 30)
+    stop_live = "!document.querySelector('#stop').disabled"
+    wait_for(driver, f"!({stop_live})", 30)  # nothing runs: Stop is greyed out
     set_number(driver, "max_new", 4000)  # capped by the context: a long reply, to be stopped
     driver.find_element(By.CSS_SELECTOR, "#eagle input").click()  # vanilla: one token per round
     time.sleep(0.3)
     send(driver, "Tell me a very long story." if real else "w36 w37 w38")
-    wait_for(driver, f"{FIGURES}.includes('generating')", 60)
+    wait_for(driver, f"{FIGURES}.includes('generating') && {stop_live}", 60)
     driver.find_element(By.ID, "stop").click()
     wait_for(driver, f"{FIGURES}.includes('stopped by you')", 30)
     stopped = driver.execute_script("return document.querySelectorAll('#chat .message-row, #chat .message').length")
@@ -183,5 +207,82 @@ def test_stop_then_send_again_in_the_browser(page):
     time.sleep(0.3)
     send(driver, "Thanks!" if real else "w32")
     wait_for(driver, f"{BOT}.length == 1 && {FIGURES}.includes('EAGLE') && !{FIGURES}.includes('generating')", 120)
+    wait_for(driver, f"!({stop_live})", 30)  # the reply is done: greyed out again
     assert "Error" not in driver.find_element(By.TAG_NAME, "body").text
     driver.save_screenshot(os.path.join(tempfile.gettempdir(), "eagle-app-after-stop.png"))  # for a look by eye
+
+
+# markdown replies: a scripted engine (no model) answers with known rounds ---------------------------------
+MARKDOWN_ROUNDS = [  # in each round every piece but the last was drafted by EAGLE and accepted
+    ["1.", " **", "Fast", " path", "**"], [":", " drafts", " are", " checked"], ["\n2.", " **", "Safe"],
+    ["**", ":", " <img src=x onerror=alert(1)>", " <script>alert(2)</script>", " done"], ["\n\n", "End."],
+]  # fmt: skip
+
+
+class PiecesTokenizer:
+    """Ids index a list of text pieces."""
+
+    def __init__(self, pieces: list[str]):
+        self.pieces = pieces
+
+    def decode(self, ids, skip_special_tokens=True, clean_up_tokenization_spaces=False):
+        return "".join(self.pieces[i] for i in ids)
+
+
+class ScriptedEngine:
+    """Answers every message with the same rounds: what the page needs of an Engine, without a model."""
+
+    name, template, default_system, max_length, baseline = "scripted", "scripted", "", 2048, None
+
+    def __init__(self, rounds: list[list[str]]):
+        self.info = {"model_type": "scripted"}
+        self.tokenizer = PiecesTokenizer([p for r in rounds for p in r])
+        starts = [sum(map(len, rounds[:i])) for i in range(len(rounds))]
+        self.rounds_ids = [list(range(s, s + len(r))) for s, r in zip(starts, rounds)]
+
+    def fit(self, turns, system, max_new_tokens):
+        from eagle.chat.templates import FittedPrompt
+
+        return FittedPrompt(ids=[0], dropped=0)
+
+    def rounds(self, ids, eagle=True, **_):
+        from eagle.model.generate import Round
+
+        script = self.rounds_ids if eagle else [[t] for r in self.rounds_ids for t in r]
+        for i, tokens in enumerate(script):
+            time.sleep(0.05)
+            yield Round(tokens, len(tokens) - 1 if eagle else 0, 0.05, "eos" if i == len(script) - 1 else None)
+
+
+@pytest.fixture
+def markdown_page(page):
+    """The page's browser on a second server, whose engine answers with MARKDOWN_ROUNDS; back home after."""
+    driver, _ = page
+    home = driver.current_url
+    with serve(ScriptedEngine(MARKDOWN_ROUNDS)) as demo:
+        driver.get(demo.local_url)
+        try:
+            yield driver
+        finally:
+            driver.get(home)
+
+
+def test_markdown_reply_renders_bold_titles_with_highlights_and_no_injected_elements(markdown_page):
+    driver = markdown_page
+    wait_for(driver, "document.querySelector('#msg textarea')")
+    send(driver, "Give me a list.")
+    reply = "document.querySelector('#chat .bot .eagle-tokens')"
+    wait_for(driver, f"{reply} && {reply}.innerText.includes('End.') && !{FIGURES}.includes('generating')", 60)
+    titles = driver.execute_script(f"return [...{reply}.querySelectorAll('ol > li > strong')].map(s => s.innerHTML);")
+    assert titles == ['<span class="acc">Fast path</span>', "Safe"]  # "Safe" came from the base model
+
+    shown = driver.execute_script(f"return {reply}.innerText;")
+    assert "**" not in shown and "<img src=x onerror=alert(1)>" in shown and "<script>alert(2)</script>" in shown
+    assert driver.execute_script("return document.querySelectorAll('#chat .bot img, #chat .bot script').length;") == 0
+    requested = driver.execute_script("return performance.getEntriesByType('resource').map(e => e.name);")
+    assert not [u for u in requested if u.rstrip("/").endswith("/x")]
+
+    # the message's accessible label is its text, not its HTML
+    label = driver.execute_script("return document.querySelector(\"#chat [aria-label^=\\\"bot's message\\\"]\")"
+                                  ".getAttribute('aria-label');")  # fmt: skip
+    assert label.startswith("bot's message: Fast path: drafts are checked") and "<span" not in label

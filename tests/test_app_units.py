@@ -132,8 +132,9 @@ def test_accepted_whitespace_is_not_a_highlighted_block():
     assert plain_text(out) == "a \nb"
 
 
-def test_plain_toggle_returns_markdown_text():
-    assert render("**x**\n- y", [[0, 2]], highlight=False) == "**x**\n- y"
+def test_plain_toggle_renders_the_same_markdown_without_highlights():
+    plain = render("**x**\n- y", [[0, 2]], highlight=False)
+    assert "<strong>x</strong>" in plain and "<li>y</li>" in plain and "acc" not in plain
     assert render("", [], True) == '<div class="eagle-tokens"></div>'
 
 
