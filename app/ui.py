@@ -38,9 +38,17 @@ def css() -> str:
     return path.read_text() if path.is_file() else ""
 
 
+# A narrow window (a phone) opens at the top: the message box's autofocus would scroll the page down to it.
+NARROW_OPENS_AT_TOP_JS = """() => {
+  if (window.innerWidth >= 700) return;
+  setTimeout(() => { document.activeElement?.blur(); window.scrollTo(0, 0); }, 300);
+}"""
+PAGE_JS = f"() => {{ ({PLAIN_LABELS_JS})(); ({NARROW_OPENS_AT_TOP_JS})(); }}"
+
+
 def launch_options() -> dict:
     """Keyword arguments for `demo.launch` (Gradio 6 takes css and js there)."""
-    opts = {"css": css(), "js": PLAIN_LABELS_JS}
+    opts = {"css": css(), "js": PAGE_JS}
     if (ASSETS / "logo.svg").is_file():
         opts["favicon_path"] = str(ASSETS / "logo.svg")
     return opts

@@ -286,3 +286,23 @@ def test_markdown_reply_renders_bold_titles_with_highlights_and_no_injected_elem
     label = driver.execute_script("return document.querySelector(\"#chat [aria-label^=\\\"bot's message\\\"]\")"
                                   ".getAttribute('aria-label');")  # fmt: skip
     assert label.startswith("bot's message: Fast path: drafts are checked") and "<span" not in label
+
+
+def test_a_narrow_window_opens_at_the_top_with_code_lines_kept(page):
+    driver, _ = page
+    url = driver.current_url
+    driver.set_window_size(400, 900)
+    try:
+        driver.get(url)
+        wait_for(driver, "document.querySelector('#msg textarea')", 60)
+        time.sleep(1.5)  # past the page script's delay
+        assert driver.execute_script("return window.scrollY;") == 0
+        # a code block keeps its lines (it scrolls sideways instead of wrapping them)
+        driver.execute_script("const d = document.createElement('div'); d.className = 'eagle-tokens';"
+                              "d.innerHTML = '<pre><code>x</code></pre>'; document.querySelector('#chat').appendChild(d);")  # fmt: skip
+        pre = "getComputedStyle(document.querySelector('.eagle-tokens pre'))"
+        assert driver.execute_script(f"return {pre}.whiteSpace;") == "pre"
+    finally:
+        driver.set_window_size(1400, 1000)
+        driver.get(url)
+        wait_for(driver, "document.querySelector('#msg textarea')", 60)

@@ -122,7 +122,7 @@ def test_page_session_chat_regenerate_clear(app):
     assert plain_text(last_reply(chat)) == second and len(chat) == 4  # greedy: the same reply again
 
     chat, _ = say(c, "w14", highlight=False)
-    assert 'class="eagle-tokens"' not in last_reply(chat)  # the plain-text toggle
+    assert 'class="acc"' not in last_reply(chat)  # the plain-text toggle: no highlights
 
     chat, figures = c.predict(api_name="/clear")
     assert chat == [] and "No reply yet" in figures
@@ -173,8 +173,9 @@ def test_stop_mid_stream_then_new_message(app):
     assert "stopped by you" in figures and len(chat) == 2
     chat, figures = say(c, "w32")
     assert [m["role"] for m in chat] == ["user", "assistant", "user", "assistant"]
-    partial, marker = chat[1]["content"][0]["text"].split("\n\n", 1)  # EAGLE was off: plain text
+    shown, marker = chat[1]["content"][0]["text"].split("\n\n", 1)  # the reply, then the "stopped" line
     assert "stopped" in marker
+    partial = plain_text(shown)  # rendered words: a paragraph's spaces are the source's
     assert partial and full.startswith(partial) and len(partial) < len(full)  # stopped; what was shown is kept
     assert plain_text(last_reply(chat)) == greedy_reply(engine, [(prompt, partial), ("w32", None)], 16)
     # the server still serves normally
