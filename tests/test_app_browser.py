@@ -299,7 +299,8 @@ def test_a_narrow_window_opens_at_the_top_with_code_lines_kept(page):
         assert driver.execute_script("return window.scrollY;") == 0
         # a code block keeps its lines (it scrolls sideways instead of wrapping them)
         driver.execute_script("const d = document.createElement('div'); d.className = 'eagle-tokens';"
-                              "d.innerHTML = '<pre><code>x</code></pre>'; document.querySelector('#chat').appendChild(d);")  # fmt: skip
+                              "d.innerHTML = '<pre><code>x</code></pre>';"
+                              "document.querySelector('#chat').appendChild(d);")  # fmt: skip
         pre = "getComputedStyle(document.querySelector('.eagle-tokens pre'))"
         assert driver.execute_script(f"return {pre}.whiteSpace;") == "pre"
     finally:
