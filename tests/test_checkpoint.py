@@ -6,7 +6,7 @@ import pytest
 import torch
 from tiny import random_draft, tiny_base
 
-from eagle.model.checkpoint import build_draft_head, read_checkpoint
+from eagle.model.checkpoint import CheckpointError, build_draft_head, read_checkpoint
 from eagle.model.ea_model import load_head
 
 
@@ -92,3 +92,10 @@ def test_format_is_detected_from_keys_not_flags(tmp_path):
         config.pop("draft_vocab_size", None)
         head = build_draft_head(config, state, base.get_input_embeddings(), 32, 16)
         assert head.eagle3 == eagle3
+
+
+def test_a_head_wider_than_its_base_without_its_own_embedding_is_refused_naming_the_key(tmp_path):
+    base = tiny_base("llama")
+    folder = random_draft(base, str(tmp_path / "a"), eagle3=True, hidden_size=48, target_hidden_size=32)
+    with pytest.raises(CheckpointError, match=r"embed_tokens.weight` \[16, 48\]"):
+        head_for(base, folder)

@@ -32,3 +32,21 @@ def test_half_precision_on_cuda_runs_and_accepts(folders, dtype):
     out, new_tokens, rounds = model.eagenerate(torch.tensor([[3, 4, 5, 6]]), max_new_tokens=48, log=True,
                                                stop_token_ids=[])  # fmt: skip
     assert new_tokens == 48 and new_tokens / (rounds + 1) > 1.0
+
+
+def test_a_greedy_round_synchronises_the_host_once_on_cuda(folders):
+    """torch's sync debug mode warns at every host sync (reads, blocking copies, data-dependent shapes)."""
+    import warnings
+
+    model = EaModel.from_pretrained(*folders, dtype=torch.float32, device_map="cuda")
+    stream = model.stream(torch.tensor([[3, 4, 5, 6]]), max_new_tokens=32, stop_token_ids=())
+    next(stream)  # prefill and the draft's first commit
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            rounds = sum(1 for _ in stream)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    syncs = [w for w in caught if "synchroniz" in str(w.message)]
+    assert len(syncs) <= rounds, f"{len(syncs)} host syncs in {rounds} rounds: {[str(w.message) for w in syncs[:3]]}"

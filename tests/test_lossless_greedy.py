@@ -47,6 +47,31 @@ def test_bfloat16_head_under_float32_base_stays_lossless(tmp_path, eagle3):
     assert_greedy_equals_generate(model, base)
 
 
+@pytest.mark.parametrize("eagle3", [False, True], ids=["eagle12", "eagle3"])
+def test_greedy_eagle_equals_hf_generate_after_a_1100_token_prompt(tmp_path, eagle3):
+    base = tiny_base("llama", max_position_embeddings=2048)
+    save_base(base, str(tmp_path / "base"))
+    model = load(tmp_path, base, eagle3)
+    ids = torch.randint(0, VOCAB, (1, 1100), generator=torch.Generator().manual_seed(0))
+    ref = base.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=NEW,
+                        min_new_tokens=NEW, eos_token_id=None, pad_token_id=0)  # fmt: skip
+    out, n, rounds = model.eagenerate(ids, max_new_tokens=NEW, stop_token_ids=[], log=True)
+    assert out.tolist() == ref.tolist()
+    assert n / (rounds + 1) > 1.05, "no drafted token was accepted: the long-context tree was not exercised"
+
+
+def test_eagle3_head_wider_than_its_base_stays_lossless(tmp_path):
+    """target_hidden_size (the base's width) != hidden_size (the head's): fc takes 3 base widths, and the head
+    embeds tokens with its own table."""
+    base = tiny_base("llama")
+    save_base(base, str(tmp_path / "base"))
+    draft = random_draft(base, str(tmp_path / "draft"), eagle3=True, embed=True, hidden_size=48, target_hidden_size=32)
+    model = EaModel.from_pretrained(str(tmp_path / "base"), draft, dtype=torch.float32)
+    assert tuple(model.ea_layer.fc.weight.shape) == (48, 3 * 32)
+    assert tuple(model.ea_layer.embed_tokens.weight.shape) == (VOCAB, 48)
+    assert_greedy_equals_generate(model, base)
+
+
 def assert_greedy_equals_generate(model, base):
     for name, tree in TREES.items():
         new_tokens = rounds = 0

@@ -7,6 +7,7 @@ from tiny import random_draft, tiny_base
 import eagle.model.generate as generate
 from eagle.model.checkpoint import read_checkpoint
 from eagle.model.ea_model import EaModel, load_head
+from eagle.model.tree import TreeDraft
 from eagle.model.verify import SamplingParams, TokenPicker
 
 VOCAB = 8
@@ -22,9 +23,17 @@ def checkpoint(tmp_path_factory):
     return base, read_checkpoint(random_draft(base, str(tmp_path_factory.mktemp("d")), seed=2))
 
 
-def make_model(checkpoint, head_dtype=None):
+@pytest.fixture(scope="module")
+def eagle3_checkpoint(checkpoint, tmp_path_factory):
+    """An EAGLE-3 head over the same base whose draft vocabulary is 6 of the 8 ids (d2t maps them)."""
+    base, _ = checkpoint
+    return base, read_checkpoint(random_draft(base, str(tmp_path_factory.mktemp("d3")), eagle3=True, draft_vocab=6, seed=2))
+
+
+def make_model(checkpoint, head_dtype=None, **tree):
     base, (config, state) = checkpoint
-    return EaModel(base, load_head(base, config, state, dtype=head_dtype), None, total_token=16, depth=3, top_k=4)
+    tree = tree or dict(total_token=16, depth=3, top_k=4)
+    return EaModel(base, load_head(base, config, state, dtype=head_dtype), None, **tree)
 
 
 @pytest.fixture(scope="module")
@@ -85,6 +94,18 @@ def test_sampling_with_a_bfloat16_head_under_a_float32_base_follows_the_base_dis
     assert_follows_base_distribution(model, SamplingParams(1.0))
 
 
+def test_sampling_with_an_eagle3_head_and_a_reduced_draft_vocabulary_follows_the_base_distribution(eagle3_checkpoint):
+    model = make_model(eagle3_checkpoint)
+    assert model.use_eagle3 and model.ea_layer.config.draft_vocab_size == 6
+    assert_follows_base_distribution(model, SamplingParams(1.0))
+
+
+def test_sampling_on_the_static_tree_follows_the_base_distribution(checkpoint):
+    model = make_model(checkpoint, tree_choices=[[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0]])
+    assert model.tree.choices is not None
+    assert_follows_base_distribution(model, SamplingParams(0.8, top_k=5))
+
+
 def assert_follows_base_distribution(model, params):
     probs = exact_pair_distribution(model, params)
     counts = sample_pairs(model, params, n=1500, seed=0)
@@ -103,12 +124,12 @@ def test_the_distribution_check_catches_a_lossy_verifier(model, monkeypatch):
     """A verifier that always accepts the first drafted child is lossy: the same check must reject it."""
 
     def accept_first_child(tree, logits, picker):
+        tree = tree.read()[0] if isinstance(tree, TreeDraft) else tree
         path, node = [0], 0
         while tree.children[node]:
             node = min(tree.children[node].values())
             path.append(node)
-        pick = picker.picker(logits)
-        return path, pick(node)
+        return tree, path, picker.node_picker(logits)(node)
 
     monkeypatch.setattr(generate, "accept", accept_first_child)
     params = SamplingParams(1.0)

@@ -10,12 +10,12 @@ from eagle.model.draft import Drafter
 from eagle.model.ea_model import EaModel, load_head
 from eagle.model.generate import Budget, TreeSpec, eagle_rounds
 from eagle.model.kv_cache import TreeKVCache
-from eagle.model.tree import MC_SIM_7B_63, DraftTree
+from eagle.model.tree import MC_SIM_7B_63, DraftTree, TreeDraft
 from eagle.model.verify import SamplingParams, TokenPicker
 
 
-def make_model(tmp_path, eagle3=False, arch="llama"):
-    base = tiny_base(arch)
+def make_model(tmp_path, eagle3=False, arch="llama", **over):
+    base = tiny_base(arch, **over)
     config, state = read_checkpoint(random_draft(base, str(tmp_path / "d"), eagle3=eagle3, draft_vocab=12 if eagle3 else None))
     return EaModel(base, load_head(base, config, state), None)
 
@@ -29,6 +29,14 @@ def primed_drafter(model, prompt_len=9):
     drafter = Drafter(model.ea_layer, model.base.lm_head, 256)
     drafter.commit(features, ids[0, 1:].tolist() + [3])
     return drafter
+
+
+def host(draft: TreeDraft) -> DraftTree:
+    """The tree as the host reads it; the depths and ancestor mask computed on the device must agree with it."""
+    tree, _ = draft.read()
+    assert draft.depth.tolist() == tree.depth, "device depths = depths implied by the parents"
+    assert torch.equal(draft.ancestors, tree.ancestor_mask()), "device ancestor mask = the parents' closure"
+    return tree
 
 
 def assert_well_formed(tree: DraftTree):
@@ -49,7 +57,7 @@ def test_dynamic_tree_is_ancestor_closed_with_total_token_nodes(tmp_path, eagle3
     model = make_model(tmp_path, eagle3)
     drafter = primed_drafter(model)
     for total, depth, k in [(60, 7, 10), (12, 3, 4), (5, 1, 2), (30, 6, 3)]:
-        tree = drafter.dynamic_tree(3, total, depth, k)
+        tree = host(drafter.dynamic_tree(3, total, depth, k))
         assert len(tree) == min(total, 1 + k + depth * k * k)
         assert max(tree.depth) <= depth + 1
         assert_well_formed(tree)
@@ -63,7 +71,7 @@ def test_dynamic_tree_stays_closed_when_children_tie_with_parents(tmp_path):
         model.ea_layer.lm_head.weight.zero_()
         model.ea_layer.lm_head.weight[5].fill_(1e4)  # log-prob 0 for draft id 5, -inf-ish elsewhere
     drafter = primed_drafter(model)
-    tree = drafter.dynamic_tree(3, 40, 7, 4)
+    tree = host(drafter.dynamic_tree(3, 40, 7, 4))
     assert_well_formed(tree)
     assert max(tree.depth) == 8  # the certain chain runs the full depth
 
@@ -75,31 +83,33 @@ def test_dynamic_tree_drafts_no_level_it_cannot_keep(tmp_path, monkeypatch):
     levels = []
     expand = drafter._expand
     monkeypatch.setattr(drafter, "_expand", lambda *a: levels.append(a[3]) or expand(*a))
-    tree = drafter.dynamic_tree(3, 4, 6, 2)
+    tree = host(drafter.dynamic_tree(3, 4, 6, 2))
     assert levels == [1, 2]  # children of depth 2 and 3
-    assert (tree.tokens, tree.parents) == (lambda t: (t.tokens, t.parents))(drafter.dynamic_tree(3, 4, 2, 2))
+    assert (tree.tokens, tree.parents) == (lambda t: (t.tokens, t.parents))(host(drafter.dynamic_tree(3, 4, 2, 2)))
     with torch.no_grad():  # a certain draft: the chain reaches the deepest depth 4 nodes can hold
         model.ea_layer.lm_head.weight.zero_()
         model.ea_layer.lm_head.weight[5].fill_(1e4)
-    assert max(primed_drafter(model).dynamic_tree(3, 4, 6, 2).depth) == 3
+    assert max(host(primed_drafter(model).dynamic_tree(3, 4, 6, 2)).depth) == 3
 
 
 def test_static_tree_has_the_reference_shape(tmp_path):
     model = make_model(tmp_path)
-    tree = primed_drafter(model).static_tree(3, MC_SIM_7B_63)
+    tree = host(primed_drafter(model).static_tree(3, MC_SIM_7B_63))
     assert len(tree) == 26 and max(tree.depth) == 5
     assert_well_formed(tree)
     assert sum(d == 1 for d in tree.depth) == 4
 
 
+@pytest.mark.parametrize("prompt_len", [6, 1100], ids=["short", "long"])
 @pytest.mark.parametrize("eagle3", [False, True], ids=["eagle12", "eagle3"])
-def test_caches_after_compaction_equal_a_full_recompute(tmp_path, eagle3):
-    model = make_model(tmp_path, eagle3, arch="qwen2")
-    prompt = torch.tensor([[4, 9, 2, 7, 7, 3]])
-    cache = model.base.new_cache(128)
-    drafter = Drafter(model.ea_layer, model.base.lm_head, 256)
+def test_caches_after_compaction_equal_a_full_recompute(tmp_path, eagle3, prompt_len):
+    model = make_model(tmp_path, eagle3, arch="qwen2", max_position_embeddings=2048)
+    prompt = torch.tensor([[4, 9, 2, 7, 7, 3]]).repeat(1, -(-prompt_len // 6))[:, :prompt_len]
+    cache = model.base.new_cache(prompt_len + 128)
+    drafter = Drafter(model.ea_layer, model.base.lm_head, prompt_len + 256)
     budget = Budget(prompt.shape[1], 30, 2048, set())
-    rounds = list(eagle_rounds(model.base, drafter, prompt, TokenPicker(SamplingParams()), budget, TreeSpec(), cache))
+    with torch.inference_mode():  # as EaModel runs it
+        rounds = list(eagle_rounds(model.base, drafter, prompt, TokenPicker(SamplingParams()), budget, TreeSpec(), cache))
     tokens = prompt[0].tolist() + [t for r in rounds for t in r.tokens]
     assert sum(r.accepted for r in rounds) > 0, "no acceptance: compaction was not exercised"
     committed = len(tokens) - 1  # the last token is the pending root
@@ -108,7 +118,7 @@ def test_caches_after_compaction_equal_a_full_recompute(tmp_path, eagle3):
     fresh = DynamicCache()
     ids = torch.tensor([tokens[:committed]])
     with torch.no_grad():
-        _, features = model.base.forward(ids, torch.arange(committed)[None], fresh_cache := model.base.new_cache(128))
+        _, features = model.base.forward(ids, torch.arange(committed)[None], fresh_cache := model.base.new_cache(committed))
         model.base_model(ids, past_key_values=fresh, use_cache=True)
     for ours, ref in zip(cache.layers, fresh.layers):
         torch.testing.assert_close(ours.keys[:, :, :committed], ref.keys, atol=1e-5, rtol=1e-4)
@@ -119,7 +129,7 @@ def test_caches_after_compaction_equal_a_full_recompute(tmp_path, eagle3):
     assert fresh_cache.length == committed
     n = drafter.cache.length
     assert prompt.shape[1] < n < committed
-    replay = Drafter(model.ea_layer, model.base.lm_head, 256)
+    replay = Drafter(model.ea_layer, model.base.lm_head, prompt_len + 256)
     replay.commit(features[:n], tokens[1 : n + 1])
     torch.testing.assert_close(drafter.cache.keys[:, :, :n], replay.cache.keys[:, :, :n], atol=1e-5, rtol=1e-4)
     torch.testing.assert_close(drafter.last, replay.last, atol=1e-5, rtol=1e-4)

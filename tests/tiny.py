@@ -83,14 +83,16 @@ def draft_config(base, eagle3: bool, draft_vocab: int | None = None, bias: bool 
 
 
 def random_draft(base, folder: str, eagle3: bool = False, draft_vocab: int | None = None, bias: bool | None = None,
-                 fmt: str = "safetensors", seed: int = 1, **over) -> str:  # fmt: skip
-    """Save a random draft in the reference layout (EAGLE-1/2 stores embed_tokens; EAGLE-3 stores d2t/t2d)."""
+                 fmt: str = "safetensors", seed: int = 1, embed: bool | None = None, **over) -> str:  # fmt: skip
+    """Save a random draft in the reference layout (EAGLE-1/2 stores embed_tokens; EAGLE-3 stores d2t/t2d, and
+    its own random embed_tokens only with embed=True)."""
     torch.manual_seed(seed)
     d = draft_config(base, eagle3, draft_vocab, bias, **over)
     cfg = DraftConfig.from_dict(d, eagle3)
-    head = DraftHead(cfg, own_embedding=not eagle3)
+    own = embed if embed is not None else not eagle3
+    head = DraftHead(cfg, own_embedding=own)
     state = {k: v.clone().contiguous() for k, v in head.state_dict().items()}
-    if not eagle3:
+    if own and cfg.hidden_size == base.config.hidden_size:
         state["embed_tokens.weight"] = base.get_input_embeddings().weight.detach().clone()
     elif cfg.draft_vocab_size != cfg.vocab_size:
         used = torch.arange(0, cfg.vocab_size, cfg.vocab_size // cfg.draft_vocab_size)[: cfg.draft_vocab_size]

@@ -23,6 +23,7 @@ from collections import defaultdict
 
 import torch
 
+from eagle.model.timing import synchronize_all
 
 from .models import add_model_args, device_name, exit_on_bad_options, load_from_args, log
 from .prompts import build_prompts
@@ -54,7 +55,7 @@ class PhaseClock:
 
     def _sync(self):
         if self.cuda:
-            torch.cuda.synchronize()
+            synchronize_all()
 
     def wrap(self, fn, name):
         """`name`: a phase key, or a function (parent phase key or None, args) -> key or None (= not timed)."""
@@ -125,7 +126,7 @@ _MISSING = object()
 # ---------------------------------------------------------------------------------------------------------
 def run_rounds(model, prompts, rounds: int, args, eagle: bool, tree, clock: PhaseClock | None = None) -> dict:
     """Generate over the prompts in order until `rounds` rounds after the prefills; time them from outside."""
-    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    sync = synchronize_all if torch.cuda.is_available() else (lambda: None)
     done = tokens = accepted = used = 0
     round_s = prefill_s = 0.0
     while done < rounds:

@@ -2,7 +2,8 @@
 
 Features handed to the draft head:
 - EAGLE-1/2: the post-final-norm last hidden state [.., H] (what transformers returns as `last_hidden_state`);
-- EAGLE-3: hidden_states[2], [L // 2], [L - 3] concatenated [.., 3H] (the inputs of those decoder layers).
+- EAGLE-3: hidden_states[2], [L // 2], [L - 3] concatenated [.., 3H] (the inputs of those decoder layers), or the
+  layers the head names (`DraftConfig.base_feature_layers`).
 
 Logits are the lm_head's followed by the base's own processing (soft-capping, scaling: eagle/model/logits.py), as
 its `*ForCausalLM.forward` computes them; a base whose forward does something else is refused at construction.
@@ -33,11 +34,12 @@ def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def tree_mask(prefix_len: int, ancestors: torch.Tensor, dtype: torch.dtype, device) -> torch.Tensor:
-    """Mask for n tree rows after `prefix_len` committed positions: all of the prefix, plus their ancestors."""
+    """Mask for n tree rows after `prefix_len` committed positions: all of the prefix, plus their ancestors
+    ([n, n] bool); built where `device` is, from ancestors already there (no host sync)."""
     n = ancestors.shape[0]
-    allowed = torch.ones(n, prefix_len + n, dtype=torch.bool)
-    allowed[:, prefix_len:] = ancestors
-    return additive_mask(allowed.to(device), dtype)
+    allowed = torch.ones(n, prefix_len + n, dtype=torch.bool, device=device)
+    allowed[:, prefix_len:] = ancestors.to(device)
+    return additive_mask(allowed, dtype)
 
 
 class BaseModel:
@@ -46,7 +48,8 @@ class BaseModel:
     Invariant: the logits it returns are those of the model's own forward for the same hidden states (checked
     at construction by `check_logits`)."""
 
-    def __init__(self, model: nn.Module, eagle3: bool):
+    def __init__(self, model: nn.Module, eagle3: bool, feature_layers: tuple[int, ...] | None = None):
+        """feature_layers: the hidden_states an EAGLE-3 head fuses (None = the reference's three)."""
         self.model = model
         self.decoder = model.get_decoder()
         self.lm_head = model.get_output_embeddings()
@@ -54,7 +57,7 @@ class BaseModel:
         self.num_layers = cfg.num_hidden_layers
         self.hidden_size = cfg.hidden_size
         self.vocab_size = self.lm_head.weight.shape[0]
-        self.feature_layers = eagle3_feature_layers(self.num_layers) if eagle3 else None
+        self.feature_layers = (feature_layers or eagle3_feature_layers(self.num_layers)) if eagle3 else None
         self.dtype = self.lm_head.weight.dtype
         self.input_device = model.get_input_embeddings().weight.device
         self.logit_transform = logit_transform(model.config)  # None = the lm_head's logits are the model's
@@ -128,8 +131,8 @@ class BaseModel:
             if self.compiled is None or last_logits_only or self.compiled.bucket(q) is None:
                 return self.decode(input_ids, position_ids, mask, cache, features, last_logits_only)
             if mask is None:
-                causal = torch.ones(q, cache.length + q, dtype=torch.bool).tril(cache.length)
-                mask = additive_mask(causal.to(self.input_device), self.dtype)
+                causal = torch.ones(q, cache.length + q, dtype=torch.bool, device=self.input_device)
+                mask = additive_mask(causal.tril(cache.length), self.dtype)
             return self.compiled.run(input_ids, position_ids, mask, cache, features)
 
     def decode(self, input_ids, position_ids, mask, cache, features: bool, last_logits_only: bool):
@@ -149,7 +152,7 @@ class BaseModel:
         if self.feature_layers is None:
             return logits, hidden
         taps = [out.hidden_states[i][0] for i in self.feature_layers]
-        return logits, torch.cat([t.to(hidden.device) for t in taps], dim=-1)  # [q, 3H]
+        return logits, torch.cat([t.to(hidden.device) for t in taps], dim=-1)  # [q, n_features * H]
 
     @torch.inference_mode()
     def pass_seconds(self, rows: list[int], context: int = 256, repeats: int = 5) -> dict[int, float]:

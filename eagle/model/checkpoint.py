@@ -1,7 +1,9 @@
-"""Load a draft checkpoint in the reference project's layout, unmodified, from a folder or a hub id.
+"""Load a draft checkpoint, unmodified, from a folder or a hub id: the reference project's layouts, and EAGLE-3
+heads of other producers (SpecForge, speculators/vLLM, ModelOpt, AngelSlim: eagle/model/head_formats.py).
 
 Files: `config.json` plus `model.safetensors` or `pytorch_model.bin` (pickles load with weights_only=True).
-The format is detected from the keys: `midlayer.*` or `d2t` means EAGLE-3, `layers.0.*` means EAGLE-1/2.
+The format is detected from the keys: `midlayer.*`, `d2t` or a layer with a `hidden_norm` means EAGLE-3, `layers.0.*`
+without them EAGLE-1/2.
 """
 
 from __future__ import annotations
@@ -11,10 +13,10 @@ import os
 
 import torch
 from torch import nn
-
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from .draft_head import DraftConfig, DraftHead
+from .head_formats import HeadFormatError, is_eagle3_layout, normalize
 
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 IGNORED_PREFIXES = ("target_model.",)  # training states may carry the frozen target's buffers
@@ -91,8 +93,8 @@ def read_acceptance_profile(path: str) -> dict | None:
 
 
 def detect_eagle3(config: dict, state: dict, use_eagle3: bool | None) -> bool:
-    has3 = any(k.startswith("midlayer.") for k in state) or "d2t" in state
-    has12 = any(k.startswith("layers.0.") for k in state)
+    has3 = is_eagle3_layout(state)
+    has12 = not has3 and any(k.startswith("layers.0.") for k in state)
     if has3 == has12:
         raise CheckpointError(
             "cannot tell the draft format: expected `layers.0.*` keys (EAGLE-1/2) or `midlayer.*` keys (EAGLE-3)"
@@ -114,15 +116,25 @@ def build_draft_head(
         k: v for k, v in state.items() if not k.startswith(IGNORED_PREFIXES) and not k.endswith(IGNORED_SUFFIXES)
     }
     eagle3 = detect_eagle3(config, state, use_eagle3)
+    try:
+        config, state, _ = normalize(config, state)
+    except HeadFormatError as e:
+        raise CheckpointError(str(e)) from None
     cfg = DraftConfig.from_dict(config, eagle3)
     if eagle3 and "d2t" not in state and cfg.draft_vocab_size != cfg.vocab_size:
         raise CheckpointError("EAGLE-3 checkpoint with a reduced draft vocabulary lacks the `d2t` buffer")
-    target_hidden = cfg.feature_size // (3 if eagle3 else 1)
+    target_hidden = cfg.feature_size // (cfg.num_features if eagle3 else 1)
     if target_hidden != base_hidden:
         raise CheckpointError(
             f"draft expects base hidden size {target_hidden} (config.json hidden_size"
             f"{'/target_hidden_size' if eagle3 else ''}) but the base model has {base_hidden}: "
             "this head was trained for another base model"
+        )
+    if eagle3 and "fc.weight" in state and state["fc.weight"].shape[1] != cfg.feature_size:
+        raise CheckpointError(
+            f"draft fc.weight takes {state['fc.weight'].shape[1]} features but config.json implies "
+            f"{cfg.num_features} feature layers x {target_hidden} = {cfg.feature_size}: set target_hidden_size or "
+            "eagle_aux_hidden_state_layer_ids in config.json to match the weights"
         )
     if cfg.vocab_size != base_vocab:
         raise CheckpointError(
@@ -130,6 +142,13 @@ def build_draft_head(
             "this head was trained for another base model"
         )
     own_embedding = "embed_tokens.weight" in state
+    if not own_embedding and cfg.hidden_size != base_hidden:
+        raise CheckpointError(
+            f"the draft's hidden_size is {cfg.hidden_size} (config.json) but its base's is {base_hidden}, and the "
+            "checkpoint has no `embed_tokens.weight`: the base's token embeddings are too narrow for it. Add the "
+            f"head's own `embed_tokens.weight` [{cfg.vocab_size}, {cfg.hidden_size}] to the checkpoint (the reference "
+            "trainer saves it whenever target_hidden_size is set)"
+        )
     with torch.device("meta"):  # no allocation or random init: every weight comes from the checkpoint
         head = DraftHead(cfg, own_embedding=own_embedding)
     expected = set(head.state_dict())

@@ -14,7 +14,8 @@ from torch import nn
 
 from .base import additive_mask
 from .draft_head import DraftHead
-from .tree import DraftTree, static_tree_levels
+from .transfer import to_device
+from .tree import DraftTree, TreeDraft, ancestors_on_device, static_tree_levels
 
 
 class Drafter:
@@ -25,12 +26,13 @@ class Drafter:
         self.dtype = head.fc.weight.dtype
         self.device = head.fc.weight.device
         self.last: torch.Tensor | None = None  # [1, H] the head's output at the last committed position
+        self._static: dict[tuple, tuple] = {}  # static-tree choices -> their shape on the device (_static_shape)
 
     # ---------------------------------------------------------------------------------------------------------
     def commit(self, features: torch.Tensor, next_tokens: list[int]) -> None:
         """Append n committed positions: features [n, F] of base positions P..P+n-1 and the tokens after them."""
         n, start = len(next_tokens), self.cache.length
-        ids = torch.tensor([next_tokens], device=self.device)
+        ids = to_device([next_tokens], self.device)
         positions = torch.arange(start, start + n, device=self.device)[None]
         causal = torch.ones(n, start + n, dtype=torch.bool, device=self.device).tril(start)
         out = self.head(features[None].to(self.device), ids, positions, additive_mask(causal, self.dtype), self.cache, start)
@@ -57,14 +59,14 @@ class Drafter:
 
     # ---------------------------------------------------------------------------------------------------------
     @torch.inference_mode()
-    def dynamic_tree(self, root: int, total_token: int, depth: int, top_k: int) -> DraftTree:
+    def dynamic_tree(self, root: int, total_token: int, depth: int, top_k: int) -> TreeDraft:
         """EAGLE-2: expand the top_k best nodes per level by cumulative log-probability (a beam of width top_k,
         depth + 1 levels), then keep the total_token - 1 best nodes of all candidates seen.
 
         Ancestor closure: a child's score is its parent's plus a log-prob <= 0, so it never beats its parent; a
         stable sort breaks ties in favour of the lower pool index, which is the parent's (pool is level-ordered).
         So a kept node at depth d brings its d - 1 ancestors: levels deeper than total_token - 1 are never kept
-        and are not drafted."""
+        and are not drafted. Everything stays on the device: the host reads the tree with the verification."""
         k = top_k
         depth = min(depth, total_token - 2)  # expansion `level` drafts nodes of depth level + 1
         log_probs = self._log_probs(self.last)[0]  # [Vd]
@@ -72,6 +74,7 @@ class Drafter:
         tokens = self.head.to_target_ids(ids)
         pool_scores, pool_tokens = [scores], [tokens]
         pool_parents = [torch.full((k,), -1, device=self.device)]
+        pool_depths = [torch.full((k,), 1, device=self.device)]
         frontier = torch.arange(k, device=self.device)  # pool indices of the frontier nodes
         hidden = self.last.expand(k, -1)
         ancestors = torch.eye(k, dtype=torch.bool, device=self.device)
@@ -85,6 +88,7 @@ class Drafter:
             pool_scores.append(cumulative)
             pool_tokens.append(child_tokens)
             pool_parents.append(frontier.repeat_interleave(k))
+            pool_depths.append(torch.full((k * k,), level + 1, device=self.device))
             scores, best = cumulative.topk(k)
             rows = best // k
             hidden, tokens, frontier = out[rows], child_tokens[best], pool_size + best
@@ -94,38 +98,54 @@ class Drafter:
         all_scores = torch.cat(pool_scores)
         n = min(total_token - 1, all_scores.numel())
         order = torch.sort(all_scores, descending=True, stable=True).indices[:n]
-        chosen = torch.sort(order).values
-        node_tokens = torch.cat(pool_tokens)[chosen].tolist()
-        parent_pool = torch.cat(pool_parents)[chosen].tolist()
-        position = {p: i + 1 for i, p in enumerate(chosen.tolist())}
-        parents = [position[p] if p >= 0 else 0 for p in parent_pool]  # KeyError here = closure broken
-        return DraftTree([root] + node_tokens, [-1] + parents)
+        chosen = torch.sort(order).values  # [n] pool indices in pool (= level) order
+        node_of_pool = torch.zeros(pool_size, dtype=torch.long, device=self.device)
+        node_of_pool[chosen] = torch.arange(1, n + 1, device=self.device)
+        parent_pool = torch.cat(pool_parents)[chosen]  # [n], -1 for the root's children
+        # Closure (see above) puts every chosen node's parent among the chosen; were it broken, a node would hang
+        # on the root and be verified as the root's child: wasted, never wrong.
+        parents = torch.where(parent_pool >= 0, node_of_pool[parent_pool.clamp(min=0)], 0)
+        parents = torch.cat([torch.full((1,), -1, device=self.device), parents])  # [n + 1]
+        tokens = torch.cat([to_device([root], self.device), torch.cat(pool_tokens)[chosen]])
+        node_depth = torch.cat([torch.zeros(1, dtype=torch.long, device=self.device), torch.cat(pool_depths)[chosen]])
+        return TreeDraft(tokens, parents, node_depth, ancestors_on_device(parents, depth + 1))
 
     @torch.inference_mode()
-    def static_tree(self, root: int, choices: list[list[int]]) -> DraftTree:
-        """EAGLE-1: a fixed tree of top-k ranks (e.g. MC_SIM_7B_63)."""
-        levels = static_tree_levels(choices)
-        top = max(rank for level in levels for _, rank in level) + 1
-        tokens_out, parents_out = [root], [-1]
+    def static_tree(self, root: int, choices: list[list[int]]) -> TreeDraft:
+        """EAGLE-1: a fixed tree of top-k ranks (e.g. MC_SIM_7B_63); its shape is read once per choices."""
+        parents, depth, ancestors, level_rows, level_ranks, top = self._static_shape(choices)
         log_probs = self._log_probs(self.last)  # [1, Vd] for the root
         hidden = self.last
-        level_positions = [0]  # tree indices of the previous level's nodes (the root)
-        written, ancestors = 0, torch.zeros(1, 0, dtype=torch.bool, device=self.device)
-        for depth, level in enumerate(levels, start=1):
-            parent_rows = torch.tensor([p for p, _ in level], device=self.device)
-            ranks = torch.tensor([r for _, r in level], device=self.device)
-            ids = log_probs.topk(top, dim=-1).indices[parent_rows, ranks]
-            tokens = self.head.to_target_ids(ids)
-            m = len(level)
-            parents_out += [level_positions[p] for p, _ in level]
-            first = len(tokens_out)
-            tokens_out += tokens.tolist()
-            level_positions = list(range(first, first + m))
-            if depth == len(levels):
+        tokens = [to_device([root], self.device)]
+        written, level_ancestors = 0, torch.zeros(1, 0, dtype=torch.bool, device=self.device)
+        for level, (rows, ranks) in enumerate(zip(level_rows, level_ranks), start=1):
+            ids = log_probs.topk(top, dim=-1).indices[rows, ranks]  # [m] the ranks asked, under each parent
+            tokens.append(self.head.to_target_ids(ids))
+            if level == len(level_rows):
                 break
+            m = rows.shape[0]
             eye = torch.eye(m, dtype=torch.bool, device=self.device)
-            ancestors = torch.cat([ancestors[parent_rows], eye], dim=1)  # [m, written + m]
-            hidden = self._expand(hidden[parent_rows], tokens, ancestors, depth, written)
+            level_ancestors = torch.cat([level_ancestors[rows], eye], dim=1)  # [m, written + m]
+            hidden = self._expand(hidden[rows], tokens[-1], level_ancestors, level, written)
             written += m
             log_probs = self._log_probs(hidden)
-        return DraftTree(tokens_out, parents_out)
+        return TreeDraft(torch.cat(tokens), parents, depth, ancestors)
+
+    def _static_shape(self, choices) -> tuple:
+        """On the device: parents [n], depth [n], ancestors [n, n], per level the parent rows in the level above and
+        the ranks; and the largest rank + 1."""
+        key = tuple(map(tuple, choices))
+        if key not in self._static:
+            levels = static_tree_levels(choices)
+            parents, depth, first = [-1], [0], 0  # first: tree index of the level above's first node
+            for d, level in enumerate(levels, start=1):
+                parents += [first + p for p, _ in level]
+                depth += [d] * len(level)
+                first = len(parents) - len(level)
+            tree = DraftTree([0] * len(parents), parents)
+            self._static[key] = (
+                to_device(parents, self.device), to_device(depth, self.device),
+                tree.ancestor_mask().to(self.device), [to_device([p for p, _ in lv], self.device) for lv in levels],
+                [to_device([r for _, r in lv], self.device) for lv in levels], 1 + max(r for c in choices for r in c),
+            )  # fmt: skip
+        return self._static[key]

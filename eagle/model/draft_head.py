@@ -24,6 +24,12 @@ from transformers.activations import ACT2FN
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
 
+VARIANT_DEFAULTS = {
+    "norm_before_fc": False, "fc_norm": False, "norm_before_residual": False, "hidden_input_norm": False,
+    "feed_back_normed": False, "norm_before_lm_head": True, "qk_norm": False, "o_bias": False,
+}  # fmt: skip
+
+
 @dataclass
 class DraftConfig:
     """The fields of a draft `config.json` that the head uses."""
@@ -39,10 +45,21 @@ class DraftConfig:
     hidden_act: str = "silu"
     fc_bias: bool = True  # the reference reads `"bias"`; absent means True
     qkv_bias: bool = False
-    target_hidden_size: int | None = None  # EAGLE-3: fc input is 3 * this when set
+    target_hidden_size: int | None = None  # EAGLE-3: fc input is n_features * this when set
     max_position_embeddings: int = 2048
     rope: dict = field(default_factory=dict)  # rope_theta / rope_scaling as found in the file
     raw: dict = field(default_factory=dict)
+    explicit_head_dim: int | None = None  # set from the weights by head_formats.normalize
+    # EAGLE-3 variants of other producers (eagle/model/head_formats.py); the defaults are the reference's layer.
+    feature_layers: tuple[int, ...] | None = None  # indices into the base's hidden_states; None = (2, L//2, L-3)
+    norm_before_fc: bool = False  # input_norm over the concatenated features before fc (speculators)
+    fc_norm: bool = False  # one RMSNorm per feature block before fc (SpecForge's EAGLE-3.1, speculators)
+    norm_before_residual: bool = False  # the residual around attention is hidden_norm(h), not h (speculators)
+    hidden_input_norm: bool = False  # hidden_norm(input_layernorm(h)) (ModelOpt's stock first layer)
+    feed_back_normed: bool = False  # the next step gets norm(out), not out (speculators' norm_output)
+    norm_before_lm_head: bool = True  # False: lm_head(out) (SpecForge's norm_output=false)
+    qk_norm: bool = False  # RMSNorm on each query and key head before RoPE (Qwen3-style draft layers)
+    o_bias: bool = False
 
     @classmethod
     def from_dict(cls, d: dict, eagle3: bool) -> "DraftConfig":
@@ -66,19 +83,38 @@ class DraftConfig:
             max_position_embeddings=d.get("max_position_embeddings", 2048),
             rope=rope,
             raw=dict(d),
+            explicit_head_dim=d.get("head_dim_from_weights"),
+            feature_layers=tuple(d["feature_layers"]) if eagle3 and d.get("feature_layers") else None,
+            **{k: bool(d.get(k, default)) for k, default in VARIANT_DEFAULTS.items()},
         )
 
     @property
     def head_dim(self) -> int:
-        # The reference computes H / heads and ignores a `head_dim` key, both at inference and in training.
-        return self.hidden_size // self.num_attention_heads
+        # The reference computes H / heads and ignores a `head_dim` key; loaded heads say it through their weights.
+        return self.explicit_head_dim or self.hidden_size // self.num_attention_heads
+
+    @property
+    def num_features(self) -> int:
+        return len(self.feature_layers) if self.feature_layers else 3
 
     @property
     def feature_size(self) -> int:
-        """Width of the base features the head consumes: H (EAGLE-1/2) or 3 * H_target (EAGLE-3)."""
+        """Width of the base features the head consumes: H (EAGLE-1/2) or n_features * H_target (EAGLE-3)."""
         if not self.eagle3:
             return self.hidden_size
-        return 3 * (self.target_hidden_size or self.hidden_size)
+        return self.num_features * (self.target_hidden_size or self.hidden_size)
+
+    def base_feature_layers(self, num_layers: int) -> tuple[int, ...] | None:
+        """The base hidden_states this head fuses (EAGLE-3), None for EAGLE-1/2 (the post-norm last state)."""
+        if not self.eagle3:
+            return None
+        layers = self.feature_layers or (2, num_layers // 2, num_layers - 3)
+        if not all(0 <= i < num_layers for i in layers):
+            raise ValueError(
+                f"the draft fuses base hidden states {list(layers)} but the base has {num_layers} layers (valid: "
+                f"0..{num_layers - 1}): this head was trained for another base model"
+            )
+        return tuple(layers)
 
     def rope_config(self) -> LlamaConfig:
         # No rope_theta means base 10000 (the EAGLE-3 LLaMA-3.1 checkpoint relies on this).
@@ -131,13 +167,19 @@ class DraftAttention(nn.Module):
         self.q_proj = nn.Linear(in_size, self.heads * self.head_dim, bias=cfg.qkv_bias)
         self.k_proj = nn.Linear(in_size, self.kv_heads * self.head_dim, bias=cfg.qkv_bias)
         self.v_proj = nn.Linear(in_size, self.kv_heads * self.head_dim, bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(self.heads * self.head_dim, cfg.hidden_size, bias=False)
+        self.o_proj = nn.Linear(self.heads * self.head_dim, cfg.hidden_size, bias=cfg.o_bias)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
 
     def forward(self, x, cos, sin, mask, cache: DraftKVCache, write_at: int) -> torch.Tensor:
         # x: [1, q, in]; mask: additive float [1, 1, q, write_at + q]
         b, q, _ = x.shape
-        qs = self.q_proj(x).view(b, q, self.heads, self.head_dim).transpose(1, 2)
-        ks = self.k_proj(x).view(b, q, self.kv_heads, self.head_dim).transpose(1, 2)
+        qs = self.q_proj(x).view(b, q, self.heads, self.head_dim)
+        ks = self.k_proj(x).view(b, q, self.kv_heads, self.head_dim)
+        if hasattr(self, "q_norm"):
+            qs, ks = self.q_norm(qs), self.k_norm(ks)
+        qs, ks = qs.transpose(1, 2), ks.transpose(1, 2)
         vs = self.v_proj(x).view(b, q, self.kv_heads, self.head_dim).transpose(1, 2)
         qs, ks = apply_rotary_pos_emb(qs, ks, cos, sin)
         end = write_at + q
@@ -168,6 +210,7 @@ class DraftLayer(nn.Module):
     def __init__(self, cfg: DraftConfig):
         super().__init__()
         self.eagle3 = cfg.eagle3
+        self.norm_before_residual, self.hidden_input_norm = cfg.norm_before_residual, cfg.hidden_input_norm
         self.self_attn = DraftAttention(cfg)
         self.mlp = DraftMLP(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -176,8 +219,12 @@ class DraftLayer(nn.Module):
             self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, h, emb, cos, sin, mask, cache, write_at) -> torch.Tensor:
-        x = torch.cat([self.input_layernorm(emb), self.hidden_norm(h)], -1) if self.eagle3 else h
-        h = h + self.self_attn(x, cos, sin, mask, cache, write_at)
+        residual = x = h
+        if self.eagle3:
+            normed = self.hidden_norm(self.input_layernorm(h) if self.hidden_input_norm else h)
+            x = torch.cat([self.input_layernorm(emb), normed], -1)  # [.., 2H]
+            residual = normed if self.norm_before_residual else h
+        h = residual + self.self_attn(x, cos, sin, mask, cache, write_at)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -195,6 +242,11 @@ class DraftHead(nn.Module):
             self.embed_tokens.weight.requires_grad_(False)
         self._shared_embedding: tuple[nn.Embedding, ...] = ()
         if cfg.eagle3:
+            block = cfg.feature_size // cfg.num_features
+            if cfg.norm_before_fc:
+                self.input_norm = RMSNorm(cfg.feature_size, cfg.rms_norm_eps)
+            if cfg.fc_norm:
+                self.fc_norm = nn.ModuleList(RMSNorm(block, cfg.rms_norm_eps) for _ in range(cfg.num_features))
             self.fc = nn.Linear(cfg.feature_size, H, bias=False)
             self.midlayer = DraftLayer(cfg)
             self.norm = RMSNorm(H, cfg.rms_norm_eps)
@@ -248,20 +300,31 @@ class DraftHead(nn.Module):
         mask: torch.Tensor,  # additive float [1, 1, q, write_at + q]
         cache: DraftKVCache,
         write_at: int,
-    ) -> torch.Tensor:  # [1, q, H] predicted next features (EAGLE-3: pre-norm)
+    ) -> torch.Tensor:  # [1, q, H] predicted next features (EAGLE-3: pre-norm unless feed_back_normed)
         emb = self.embed(input_ids)
         hidden = hidden.to(self.fc.weight.dtype)
         if self.eagle3:
-            h = self.fc(hidden) if hidden.shape[-1] != self.config.hidden_size else hidden
+            h = self.fuse(hidden) if hidden.shape[-1] != self.config.hidden_size else hidden
         else:
             h = self.fc(torch.cat([emb, hidden], -1))
         cos, sin = self.rotary_emb(h, position_ids)
-        return self.layer(h, emb, cos, sin, mask, cache, write_at)
+        out = self.layer(h, emb, cos, sin, mask, cache, write_at)
+        return self.norm(out) if self.config.feed_back_normed else out
+
+    def fuse(self, features: torch.Tensor) -> torch.Tensor:
+        """EAGLE-3: [.., n_features * T] base features -> [.., H], with the producer's optional norms first."""
+        if self.config.norm_before_fc:
+            features = self.input_norm(features)
+        if self.config.fc_norm:
+            blocks = features.chunk(self.config.num_features, dim=-1)
+            features = torch.cat([norm(x) for norm, x in zip(self.fc_norm, blocks)], -1)
+        return self.fc(features)
 
     def logits(self, out: torch.Tensor, base_lm_head: nn.Module) -> torch.Tensor:
         """[..., H] -> [..., draft vocab]: the base lm_head for EAGLE-1/2, the head's own for EAGLE-3."""
         if self.eagle3:
-            return self.lm_head(self.norm(out))
+            normed = self.config.feed_back_normed or not self.config.norm_before_lm_head
+            return self.lm_head(out if normed else self.norm(out))
         return base_lm_head(out.to(base_lm_head.weight.dtype))
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:

@@ -55,7 +55,8 @@ class EaModel(nn.Module):
         self.ea_layer = ea_layer
         self.tokenizer = tokenizer
         self.use_eagle3 = ea_layer.eagle3
-        self.base = BaseModel(base_model, ea_layer.eagle3)
+        layers = ea_layer.config.base_feature_layers(base_model.config.get_text_config().num_hidden_layers)
+        self.base = BaseModel(base_model, ea_layer.eagle3, layers)
         self.hidden_size = self.base.hidden_size
         self.vocab_size = self.base.vocab_size
         self.config = base_model.config

@@ -15,6 +15,7 @@ import torch
 
 from .base import BaseModel, tree_mask
 from .draft import Drafter
+from .transfer import to_device
 from .tree import DraftTree
 from .verify import TokenPicker, accept
 
@@ -82,7 +83,7 @@ class Budget:
 
 def _prefill(base: BaseModel, input_ids: torch.Tensor, cache, features: bool):
     n = input_ids.shape[1]
-    positions = torch.arange(n)[None]
+    positions = torch.arange(n, device=base.input_device)[None]
     return base.forward(input_ids, positions, cache, features=features, last_logits_only=True)
 
 
@@ -96,13 +97,14 @@ def vanilla_rounds(
     logits, _ = _prefill(base, input_ids, cache, features=False)
     position = input_ids.shape[1]
     while True:
-        _, token = accept(root_only, logits, picker)
+        _, _, token = accept(root_only, logits, picker)
         tokens, stop = budget.take([token])
         yield Round(tokens, 0, time.perf_counter() - t0, stop)
         if stop:
             return
         t0 = time.perf_counter()
-        logits, _ = base.forward(torch.tensor([[token]]), torch.tensor([[position]]), cache, features=False)
+        step = to_device([[token], [position]], base.input_device)  # [2, 1] one transfer: id, position
+        logits, _ = base.forward(step[:1], step[1:], cache, features=False)
         position += 1
 
 
@@ -111,28 +113,27 @@ def eagle_rounds(
     tree_spec: TreeSpec, cache,
 ) -> Iterator[Round]:  # fmt: skip
     t0 = time.perf_counter()
+    prompt = input_ids[0].tolist()  # input_ids is on the host
     # prefill: the base reads the prompt and produces the first token (the first root)
     logits, features = _prefill(base, input_ids, cache, features=True)
-    _, root = accept(DraftTree([0], [-1]), logits, picker)
+    _, _, root = accept(DraftTree([0], [-1]), logits, picker)
     tokens, stop = budget.take([root])
     yield Round(tokens, 0, time.perf_counter() - t0, stop)
     if stop:
         return
     t0 = time.perf_counter()
     committed = input_ids.shape[1]  # tokens in the base cache; the root is pending
-    drafter.commit(features, input_ids[0, 1:].tolist() + [root])
+    drafter.commit(features, prompt[1:] + [root])
     while True:
-        # draft
+        # draft: the tree stays on the device
         if tree_spec.choices:
-            tree = drafter.static_tree(root, tree_spec.choices)
+            draft = drafter.static_tree(root, tree_spec.choices)
         else:
-            tree = drafter.dynamic_tree(root, tree_spec.total_token, tree_spec.depth, tree_spec.top_k)
-        # verify: one base pass over all tree nodes
-        ids = torch.tensor([tree.tokens])
-        positions = torch.tensor([[committed + d for d in tree.depth]])
-        mask = tree_mask(committed, tree.ancestor_mask(), base.dtype, base.input_device)
-        logits, features = base.forward(ids, positions, cache, mask=mask)
-        path, root = accept(tree, logits, picker)
+            draft = drafter.dynamic_tree(root, tree_spec.total_token, tree_spec.depth, tree_spec.top_k)
+        # verify: one base pass over all tree nodes, then the round's one host read (accept)
+        mask = tree_mask(committed, draft.ancestors, base.dtype, base.input_device)
+        logits, features = base.forward(draft.tokens[None], committed + draft.depth[None], cache, mask=mask)
+        tree, path, root = accept(draft, logits, picker)
         # accept: keep the path's KV rows, feed the path to the draft
         cache.compact([committed + i for i in path], committed)
         new_tokens = tree.path_tokens(path[1:]) + [root]
@@ -142,6 +143,6 @@ def eagle_rounds(
         if stop:
             return
         t0 = time.perf_counter()
-        index = torch.tensor(path, device=features.device)
+        index = to_device(path, features.device)
         drafter.commit(features.index_select(0, index), new_tokens)
         committed += len(path)

@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from .transfer import to_device
+
 
 class PreallocatedLayer(CacheLayerMixin):
     """One attention layer's cache; buffers are allocated on first use, on the device of the layer."""
@@ -68,7 +70,7 @@ class PreallocatedLayer(CacheLayerMixin):
         if not self.is_initialized:
             return
         n = keep.numel()
-        keep = keep.to(self.keys.device)
+        keep = keep.to(self.keys.device)  # no-op when the caller put it there (TreeKVCache.compact does)
         # index_select copies first, so overlapping source and destination ranges are safe.
         self.keys[:, :, start : start + n] = self.keys.index_select(2, keep)
         self.values[:, :, start : start + n] = self.values.index_select(2, keep)
@@ -95,6 +97,9 @@ class TreeKVCache(Cache):
         if keep == list(range(start, start + len(keep))):  # already in place: only truncate
             self.crop_to(start + len(keep))
             return
-        index = torch.tensor(keep, dtype=torch.long)
+        index = {}  # one copy per device the layers live on (a device_map spreads them), not one per layer
         for layer in self.layers:
-            layer.compact(index, start)
+            if layer.is_initialized:
+                device = layer.keys.device
+                index.setdefault(device, to_device(keep, device))
+                layer.compact(index[device], start)

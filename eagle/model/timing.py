@@ -1,4 +1,5 @@
-"""Wall-clock timing of device work: CUDA is synchronised before and after, so queued kernels are counted."""
+"""Wall-clock timing of device work: CUDA is synchronised before and after, so queued kernels are counted; every
+visible GPU, since a model spread by a device_map queues work on all of them."""
 
 from __future__ import annotations
 
@@ -8,15 +9,21 @@ from typing import Callable
 import torch
 
 
+def synchronize_all() -> None:
+    """Wait for every visible GPU (one `torch.cuda.synchronize()` waits for the current one only)."""
+    for index in range(torch.cuda.device_count()):
+        torch.cuda.synchronize(index)
+
+
 def timed(device: torch.device, fn):
-    """(fn(), wall seconds), with the device synchronised before and after on CUDA."""
+    """(fn(), wall seconds), with the GPUs synchronised before and after when `device` is CUDA."""
     cuda = device.type == "cuda"
     if cuda:
-        torch.cuda.synchronize(device)
+        synchronize_all()
     t0 = time.perf_counter()
     result = fn()
     if cuda:
-        torch.cuda.synchronize(device)
+        synchronize_all()
     return result, time.perf_counter() - t0
 
 

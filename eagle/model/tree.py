@@ -59,6 +59,40 @@ class DraftTree:
         return [self.tokens[i] for i in path]
 
 
+@dataclass
+class TreeDraft:
+    """A drafted tree as the device holds it, before the host has read it: what the verify pass needs (ids,
+    positions, mask) without a host sync. `read` brings it to the host in one transfer."""
+
+    tokens: torch.Tensor  # [n] long; tokens[0] is the root
+    parents: torch.Tensor  # [n] long; parents[0] == -1, parents[i] < i
+    depth: torch.Tensor  # [n] long; root = 0
+    ancestors: torch.Tensor  # [n, n] bool: row i = i and its ancestors
+
+    def __len__(self) -> int:
+        return self.tokens.shape[0]
+
+    def read(self, *extra: torch.Tensor) -> tuple[DraftTree, list[list[int]]]:
+        """(the host tree, each of `extra` [n] as a list), in one device-to-host transfer."""
+        n = len(self)
+        values = torch.cat([self.tokens, self.parents, *(e.to(self.tokens.dtype) for e in extra)]).tolist()
+        rows = [values[i : i + n] for i in range(0, len(values), n)]
+        return DraftTree(rows[0], rows[1]), rows[2:]
+
+
+def ancestors_on_device(parents: torch.Tensor, max_depth: int) -> torch.Tensor:
+    """[n] parents (root -1) -> [n, n] bool ancestor mask, with max_depth gathers and no host sync."""
+    n = parents.shape[0]
+    rows = torch.arange(n, device=parents.device)
+    mask = rows[:, None] == rows[None, :]  # [n, n] self
+    up = parents  # [n] the ancestor `step` levels up, -1 past the root
+    for _ in range(max_depth):
+        seen = up >= 0  # [n]
+        mask[rows, up.clamp(min=0)] |= seen
+        up = torch.where(seen, parents[up.clamp(min=0)], up)
+    return mask
+
+
 def static_tree_levels(choices: list[list[int]]) -> list[list[tuple[int, int]]]:
     """Group static-tree choices by depth: per level, a list of (parent index in the previous level, rank).
 

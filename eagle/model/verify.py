@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-from .tree import DraftTree
+from .tree import DraftTree, TreeDraft
 
 
 @dataclass(frozen=True)
@@ -72,25 +72,40 @@ class TokenPicker:
             scores = warp(None, scores)
         return torch.softmax(scores, dim=-1)
 
-    def picker(self, logits: torch.Tensor):
-        """[n, V] logits of the tree nodes -> a function node -> base token."""
+    def draws(self, logits: torch.Tensor) -> torch.Tensor | None:
+        """[n, V] logits of the tree nodes -> [n] one base token per node, on the device: the argmax, or on CUDA
+        one batched draw. Independent draws per node keep the walk exact: the nodes it visits are decided by
+        earlier draws, never by their own. None on CPU when sampling: a top-p sort over every row costs more
+        there than the few nodes a walk visits (`node_picker`)."""
         if self.params.greedy:
-            argmax = logits.argmax(dim=-1).tolist()  # one host sync for the whole tree
-            return argmax.__getitem__
+            return logits.argmax(dim=-1)
+        if logits.device.type == "cuda":
+            return torch.multinomial(self.probs(logits), 1)[:, 0]
+        return None
+
+    def node_picker(self, logits: torch.Tensor):
+        """[n, V] logits -> a function node -> base token, drawn when the walk reaches the node."""
         return lambda node: int(torch.multinomial(self.probs(logits[node : node + 1])[0], 1))
 
 
-def accept(tree: DraftTree, logits: torch.Tensor, picker: TokenPicker) -> tuple[list[int], int]:
-    """Walk the tree under the base logits ([n, V], row i = prediction after node i).
+def accept(tree: TreeDraft | DraftTree, logits: torch.Tensor, picker: TokenPicker) -> tuple[DraftTree, list[int], int]:
+    """Walk the tree under the base logits ([n, V], row i = prediction after node i). The round's one host read
+    brings the base's draws and, if it is still on the device, the tree.
 
-    Returns (path, token): the accepted nodes from the root (path[0] == 0) and the base's own next token.
+    Returns (the tree on the host, path, token): the accepted nodes from the root (path[0] == 0) and the base's own
+    next token.
     """
-    pick = picker.picker(logits)
+    draws = picker.draws(logits)  # [n] or None
+    if isinstance(tree, TreeDraft):
+        tree, rows = tree.read(*([] if draws is None else [draws]))
+    else:
+        rows = [] if draws is None else [draws.tolist()]
+    pick = rows[0].__getitem__ if rows else picker.node_picker(logits)
     path, node = [0], 0
     while True:
         token = pick(node)
         child = tree.children[node].get(token)
         if child is None:
-            return path, token
+            return tree, path, token
         path.append(child)
         node = child

@@ -70,7 +70,7 @@ def unrolled_forward(
     for k in range(steps):
         emb = embed(shift(input_ids, k + 1)).to(features.dtype)  # [B, T, H] token x_{j+k+1}
         if cfg.eagle3:
-            h = head.fc(features) if k == 0 else outs[-1]
+            h = head.fuse(features) if k == 0 else outs[-1]
             x = torch.cat([layer.input_layernorm(emb), layer.hidden_norm(h)], dim=-1)  # [B, T, 2H]
         else:
             h = head.fc(torch.cat([emb, features if k == 0 else outs[-1]], dim=-1))
