@@ -85,3 +85,32 @@ def test_install_touches_only_float32_cpu_linears():
     assert list(model.state_dict()) == keys
     assert few_rows.plan_of(model)[1] == "linear"
     assert uninstall(model) == 1 and type(model[0]) is nn.Linear and few_rows.plan_of(model) is None
+
+
+@pytest.mark.parametrize(
+    "kernels", [False, {1: "linear", 2: "wxt"}, "auto", True], ids=["off", "plan-without-packed", "auto-cached", "default"]
+)
+def test_loading_packs_no_weight_for_a_plan_without_the_packed_kernel(tmp_path, monkeypatch, kernels):
+    """The plan is decided before the layers are installed: a plan without "packed" never pays a packed copy."""
+    from tiny import random_draft, save_base, tiny_base
+
+    from eagle.model import ea_model
+    from eagle.model.ea_model import EaModel
+
+    base = tiny_base("llama")
+    save_base(base, str(tmp_path / "base"))
+    draft = random_draft(base, str(tmp_path / "d"))
+    packed = []
+    reorder = few_rows.torch.ops.mkl._mkl_reorder_linear_weight if few_rows.packed_kernel_available() else None
+    monkeypatch.setattr(few_rows, "packed_kernel_available", lambda: True)
+    count = lambda w, n: packed.append(w) or (reorder(w, n) if reorder else w.clone())  # noqa: E731
+    monkeypatch.setattr(torch.ops.mkl, "_mkl_reorder_linear_weight", count, raising=False)
+    cached = {rows: "wxt" for rows in range(1, 17)}  # what a cached measurement returns
+    monkeypatch.setattr(ea_model, "few_row_plan", lambda model, log=None: cached)
+    model = EaModel.from_pretrained(str(tmp_path / "base"), draft, dtype=torch.float32, few_row_kernels=kernels)
+    plan = few_rows.plan_of(model.base_model)
+    if kernels is True:  # the default plan packs: the check sees packing where it happens
+        assert packed and "packed" in plan.values()
+        return
+    assert packed == []
+    assert plan is None if kernels is False else "packed" not in plan.values()

@@ -48,8 +48,10 @@ class BaseModel:
     Invariant: the logits it returns are those of the model's own forward for the same hidden states (checked
     at construction by `check_logits`)."""
 
-    def __init__(self, model: nn.Module, eagle3: bool, feature_layers: tuple[int, ...] | None = None):
-        """feature_layers: the hidden_states an EAGLE-3 head fuses (None = the reference's three)."""
+    def __init__(self, model: nn.Module, eagle3: bool, feature_layers: tuple[int, ...] | None = None,
+                 few_row_plan: dict[int, str] | bool | None = None):  # fmt: skip
+        """feature_layers: the hidden_states an EAGLE-3 head fuses (None = the reference's three). few_row_plan:
+        the kernels of float32 CPU layers (few_rows.py; None = its DEFAULT_PLAN, False = plain nn.Linear)."""
         self.model = model
         self.decoder = model.get_decoder()
         self.lm_head = model.get_output_embeddings()
@@ -61,7 +63,8 @@ class BaseModel:
         self.dtype = self.lm_head.weight.dtype
         self.input_device = model.get_input_embeddings().weight.device
         self.logit_transform = logit_transform(model.config)  # None = the lm_head's logits are the model's
-        few_rows.install(model)  # float32 CPU layers: faster decode-sized matmuls (see few_rows.py)
+        if few_row_plan is not False:  # float32 CPU layers: faster decode-sized matmuls (see few_rows.py)
+            few_rows.install(model, few_row_plan or None)
         self.compiled = None  # a CompiledDecode once `compile` is called
         self.check_logits()
 

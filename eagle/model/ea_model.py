@@ -48,15 +48,17 @@ def stop_token_ids(tokenizer=None, *configs) -> set[int]:
 class EaModel(nn.Module):
     def __init__(
         self, base_model: nn.Module, ea_layer: DraftHead, tokenizer=None, total_token: int = 60, depth: int = 7,
-        top_k: int = 10, tree_choices: list[list[int]] | None = None,
+        top_k: int = 10, tree_choices: list[list[int]] | None = None, few_row_plan: dict | bool | None = None,
     ):  # fmt: skip
+        """few_row_plan: the kernel per row count of the base's float32 CPU layers (eagle/model/few_rows.py;
+        None = its default plan, False = plain nn.Linear)."""
         super().__init__()
         self.base_model = base_model
         self.ea_layer = ea_layer
         self.tokenizer = tokenizer
         self.use_eagle3 = ea_layer.eagle3
         layers = ea_layer.config.base_feature_layers(base_model.config.get_text_config().num_hidden_layers)
-        self.base = BaseModel(base_model, ea_layer.eagle3, layers)
+        self.base = BaseModel(base_model, ea_layer.eagle3, layers, few_row_plan)
         self.hidden_size = self.base.hidden_size
         self.vocab_size = self.base.vocab_size
         self.config = base_model.config
@@ -102,13 +104,15 @@ class EaModel(nn.Module):
         base = AutoModelForCausalLM.from_pretrained(base_model_path, **kwargs).eval()
         config, state = read_checkpoint(ea_model_path)
         head = load_head(base, config, state, use_eagle3, None if draft_dtype == "auto" else draft_dtype)
-        model = cls(base, head, tokenizer, max(total_token, 2), depth, top_k, tree_choices)
+        # The plan known before the layers are installed, so that no weight is packed for a plan without "packed"
+        # ("auto" starts unpacked: the tuner packs only to time the packed kernel, once per machine).
+        plan = few_row_kernels if isinstance(few_row_kernels, dict) else {
+            True: None, False: False, "auto": few_rows.uniform_plan("linear")}[few_row_kernels]  # fmt: skip
+        model = cls(base, head, tokenizer, max(total_token, 2), depth, top_k, tree_choices, plan)
         if few_rows.plan_of(base) is not None:  # float32 CPU layers: the kernel per row count
             if few_row_kernels == "auto":
                 few_rows.set_plan(base, few_row_plan(model))
-            elif isinstance(few_row_kernels, dict):
-                few_rows.set_plan(base, few_row_kernels)
-            if few_row_kernels is False or set(few_rows.plan_of(base).values()) == {"linear"}:
+            if set(few_rows.plan_of(base).values()) == {"linear"}:
                 few_rows.uninstall(base)
         if draft_dtype == "auto" and head.fc.weight.dtype == torch.float32 and head.fc.weight.device.type == "cpu":
             model.ea_layer.to(faster_draft_dtype(model))  # bf16 where it drafts faster on this CPU

@@ -178,6 +178,7 @@ def few_row_plan(model, log=None) -> dict[int, str]:
     if saved is None:
         kernels = few_rows.usable_kernels()
         ms: dict[str, dict[int, float]] = {k: {} for k in kernels}
+        in_force = few_rows.plan_of(base) or few_rows.DEFAULT_PLAN
         try:
             for _ in range(3):
                 for k in kernels:
@@ -185,7 +186,7 @@ def few_row_plan(model, log=None) -> dict[int, str]:
                     for n, s in model.base.pass_seconds(list(PLAN_ROWS), repeats=3).items():
                         ms[k][n] = min(ms[k].get(n, float("inf")), 1e3 * s)
         finally:
-            few_rows.set_plan(base, few_rows.DEFAULT_PLAN)
+            few_rows.set_plan(base, in_force)
         saved = {"ms": {k: {str(n): t for n, t in v.items()} for k, v in ms.items()}}
         _save(path, saved)
         if log:
