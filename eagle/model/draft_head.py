@@ -9,6 +9,9 @@ Two formats share this module (both load the reference project's checkpoints unm
   attends over [input_layernorm(embed); hidden_norm(h)] (2H); logits are `lm_head(norm(out))` over a reduced draft
   vocabulary mapped to target ids by `d2t` (target = draft + d2t[draft]).
 
+Other producers' EAGLE-3 heads (SpecForge, speculators/vLLM, ModelOpt, AngelSlim) are this layer with switches
+(norms before fc, the residual, the fed-back state; DraftConfig's variant fields), set by eagle/model/head_formats.py.
+
 Position t consumes (feature f_t, token x_{t+1}) and predicts f_{t+1}, hence token x_{t+2}.
 """
 
