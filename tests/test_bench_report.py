@@ -7,16 +7,16 @@ from eagle.evaluation.methods import parse_methods
 from eagle.evaluation.report import aggregate, markdown
 
 
-def rec(qid, cat, method, new, seconds, forwards=None, identical=None):
+def rec(qid, cat, method, new, seconds, forwards=None, identical=None, first_difference=None):
     return {"question_id": qid, "category": cat, "method": method, "new_tokens": new, "seconds": seconds,
-            "forwards": forwards, "identical_to_hf": identical}  # fmt: skip
+            "forwards": forwards, "identical_to_hf": identical, "first_difference": first_difference}  # fmt: skip
 
 
 RECORDS = [
     rec(1, "writing", "hf", 100, 10.0), rec(1, "writing", "vanilla", 100, 8.0, 100, True),
     rec(1, "writing", "eagle", 100, 4.0, 40, True),
     rec(2, "writing", "hf", 50, 5.0), rec(2, "writing", "vanilla", 50, 4.0, 50, True),
-    rec(2, "writing", "eagle", 50, 1.0, 10, False),
+    rec(2, "writing", "eagle", 50, 1.0, 10, False, 30),
     rec(3, "math", "hf", 20, 4.0), rec(3, "math", "vanilla", 20, 2.0, 20, True),
     rec(3, "math", "eagle", 20, 1.0, 5, True),
 ]  # fmt: skip
@@ -48,6 +48,19 @@ def test_per_category_and_identical_counts():
     assert agg["identical_to_hf"] == "2/3"  # question 2 fails: one of its methods differs from hf
 
 
+def test_agreement_with_hf_and_peers_outside_the_overall_verdict():
+    """Agreement = hf tokens reproduced before the first difference; llama.cpp rows do not sway the overall count."""
+    peer = [rec(1, "writing", "llama_cpp", 100, 2.0, 100, True), rec(2, "writing", "llama_cpp", 45, 1.0, 45, False, 5),
+            rec(3, "math", "llama_cpp", 20, 1.0, 20, False, None)]  # fmt: skip
+    agg = aggregate(RECORDS + peer, ["hf", "vanilla", "eagle", "llama_cpp"])
+    m = agg["methods"]
+    assert m["eagle"]["agreement_with_hf"] == pytest.approx((100 + 30 + 20) / 170)
+    assert m["vanilla"]["agreement_with_hf"] == 1.0 and m["hf"]["agreement_with_hf"] is None
+    assert m["llama_cpp"]["agreement_with_hf"] is None  # a differing record without its first difference
+    assert m["llama_cpp"]["categories"]["writing"]["agreement_with_hf"] == pytest.approx((100 + 5) / 150)
+    assert m["llama_cpp"]["identical_to_hf"] == "1/3" and agg["identical_to_hf"] == "2/3"  # as without the peer
+
+
 def test_without_hf_there_is_no_speedup_vs_hf_and_no_check():
     agg = aggregate([r for r in RECORDS if r["method"] != "hf"], ["vanilla", "eagle"])
     eagle = agg["methods"]["eagle"]
@@ -63,7 +76,7 @@ def test_markdown_table_lists_methods_and_categories():
                      "depth": 7, "top_k": 10},
     }  # fmt: skip
     text = markdown(result)
-    assert "| eagle | 28.3 | – | 3.17x | 3.09 | 2/3 | 170 | 6.00 |" in text
+    assert "| eagle | 28.3 | – | 3.17x | 3.09 | 2/3 | 88.2% | 170 | 6.00 |" in text
     assert "| math | 1.00x | 2.00x (1.00) | 4.00x (4.00) |" in text
     assert "`python -m eagle.evaluation.bench --limit 3`" in text
 

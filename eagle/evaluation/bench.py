@@ -104,7 +104,7 @@ def run(args, log) -> dict:
         log(f"loading assistant {args.assistant_model}")
         assistant = load_assistant(args.assistant_model, model, getattr(torch, loaded.dtype))
     settings = Settings(args.max_new_tokens, args.temperature, args.pld_tokens)
-    runners = make_runners(names, model, settings, assistant)
+    runners = make_runners(names, model, settings, assistant, base_path=loaded.base_path, model_type=loaded.mtype.name)
     greedy = args.temperature <= 1e-5
 
     bound = floor(model.base_model, loaded.device)
@@ -142,8 +142,12 @@ def run(args, log) -> dict:
     bar.close()
 
     agg = aggregate(records, names)
-    for m in agg["methods"].values():
+    for name, m in agg["methods"].items():
         m["x_floor"] = m["tokens_per_s"] / bound["tokens_per_s"] if m["tokens_per_s"] else None
+        weight_bytes = getattr(runners[name], "weight_bytes", None)  # llama.cpp's GGUF: another precision
+        if weight_bytes and m["tokens_per_s"]:
+            own = bound["bandwidth_gb_s"] * 1e9 / weight_bytes
+            m.update(weight_mb=weight_bytes / 1e6, own_floor_tokens_per_s=own, x_own_floor=m["tokens_per_s"] / own)
     return {
         "label": args.label,
         "device": device_name(loaded.device),
@@ -153,6 +157,7 @@ def run(args, log) -> dict:
         "questions": len(prompts),
         "identical_to_hf": agg["identical_to_hf"],
         "methods": agg["methods"],
+        "method_labels": {n: r.label for n, r in runners.items() if getattr(r, "label", None)},
         "categories": agg["categories"],
         "settings": {
             "bench": args.bench, "questions_from": source, "limit": args.limit, "per_category": args.per_category,

@@ -6,6 +6,8 @@
 - vanilla       our `naivegenerate`: one token per base forward, on the engine's own code and cache
 - eagle         the loaded head with the EAGLE-2 dynamic tree (total_token, depth, top_k)
 - eagle_static  the same head with EAGLE-1's static tree (MC_SIM_7B_63)
+- llama_cpp     llama.cpp (llama-cpp-python, an optional extra) on the base as GGUF F32, greedy; llama_cpp_f16 and
+                llama_cpp_q4_1 on F16 and Q4_1 files: other precisions (eagle/evaluation/llamacpp.py)
 
 All methods get the same max_new_tokens and stop at the model's stop ids (EOS and end-of-turn tokens, which the
 hf methods receive as `eos_token_id`). The wall time covers the whole call (prefill included); on CUDA the device
@@ -21,7 +23,8 @@ import torch
 
 from eagle.model.timing import timed
 
-METHODS = ("hf", "hf_pld", "hf_assisted", "vanilla", "eagle", "eagle_static")
+LLAMA_CPP_METHODS = ("llama_cpp", "llama_cpp_f16", "llama_cpp_q4_1")  # not in DEFAULT_METHODS: an optional extra
+METHODS = ("hf", "hf_pld", "hf_assisted", "vanilla", "eagle", "eagle_static", *LLAMA_CPP_METHODS)
 DEFAULT_METHODS = ("hf", "hf_pld", "vanilla", "eagle", "eagle_static")
 HF_METHODS = ("hf", "hf_pld", "hf_assisted")
 
@@ -94,9 +97,31 @@ def engine_runner(model, settings: Settings, eagle: bool, tree=None) -> Runner:
     return run
 
 
-def make_runners(names: list[str], model, settings: Settings, assistant: dict | None = None) -> dict[str, Runner]:
+def llama_cpp_runner(name: str, model, settings: Settings, base_path: str, model_type: str = "") -> Runner:
+    """llama.cpp greedy on the GGUF of `name`'s precision (converted from `base_path` once, cached); its `label`
+    names the precision and the bytes a token reads."""
+    from . import llamacpp
+
+    if settings.temperature > 1e-5:
+        raise ValueError(f"method {name} runs greedy only (--temperature 0)")
+    path = llamacpp.gguf_path(name, base_path, model_type)
+    precision, kv = llamacpp.PRECISIONS[name]
+    n_ctx = min(4096, model.base_model.config.max_position_embeddings)  # KV cache positions (prompt + answer)
+    go = llamacpp.runner(path, model.stop_token_ids, settings.max_new_tokens, kv_type=kv, n_ctx=n_ctx)
+
+    def run(ids: list[int]) -> Output:
+        tokens, seconds, calls = go(ids)
+        return Output(tokens, seconds, calls)
+
+    run.label = f"llama.cpp {llamacpp.version()}, GGUF {precision}, KV cache {kv}"
+    run.weight_bytes = llamacpp.gguf_weight_bytes(path)  # per decoded token, for its own-precision floor
+    return run
+
+
+def make_runners(names: list[str], model, settings: Settings, assistant: dict | None = None,
+                 base_path: str | None = None, model_type: str = "") -> dict[str, Runner]:  # fmt: skip
     """Runners for `names` (in that order). `model` is an EaModel, its tree spec the EAGLE-2 one; `assistant`
-    comes from `load_assistant`."""
+    comes from `load_assistant`; `base_path` is the base's local folder (the llama_cpp methods convert it)."""
     from eagle.model.generate import TreeSpec
     from eagle.model.tree import MC_SIM_7B_63
 
@@ -117,6 +142,10 @@ def make_runners(names: list[str], model, settings: Settings, assistant: dict | 
             runners[name] = engine_runner(model, settings, True, TreeSpec(t.total_token, t.depth, t.top_k))
         elif name == "eagle_static":
             runners[name] = engine_runner(model, settings, True, TreeSpec(choices=tuple(map(tuple, MC_SIM_7B_63))))
+        elif name in LLAMA_CPP_METHODS:
+            if base_path is None:
+                raise ValueError(f"method {name} needs the base's local folder (base_path)")
+            runners[name] = llama_cpp_runner(name, model, settings, base_path, model_type)
         else:
             raise ValueError(f"unknown method {name!r}; choose from {', '.join(METHODS)}")
     return runners
@@ -133,6 +162,10 @@ def parse_methods(text: str, have_assistant: bool) -> list[str]:
         raise ValueError("method hf_assisted needs --assistant-model PATH")
     if len(set(names)) != len(names):
         raise ValueError(f"a method is listed twice in {text!r}")
+    if any(n in LLAMA_CPP_METHODS for n in names):
+        from .llamacpp import require
+
+        require()  # before any model is loaded: one line naming the install command when the extra is missing
     return names
 
 

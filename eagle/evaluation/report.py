@@ -9,6 +9,8 @@ Definitions (per method, over all its records, or those of one category):
 - mean_accepted_tokens  = sum(new_tokens) / sum(forwards): tokens per base forward, the base's own token included
                           (the reference's tau, vLLM's mean acceptance length); null where forwards are unknown
 - identical_to_hf       = "k/n": questions whose generated ids equal hf's (checked at temperature 0 only)
+- agreement_with_hf     = Σ tokens before the first difference from hf / Σ hf's new tokens, over the checked
+                          questions (1.0 when all are identical; for llama.cpp, whose arithmetic differs)
 - speedup_vs_hf_reference_style = mean over questions of tokens/s, divided by hf's (the reference's speed.py)
 """
 
@@ -19,14 +21,25 @@ import os
 from collections import defaultdict
 
 BASELINE = "hf"
+# other engines or precisions (eagle/evaluation/llamacpp.py): compared with hf, but left out of the overall
+# "identical to hf" verdict, which is the losslessness check of our own decoders
+PEERS = ("llama_cpp", "llama_cpp_f16", "llama_cpp_q4_1")
 
 
 def _ratio(k: int, n: int) -> str | None:
     return f"{k}/{n}" if n else None
 
 
-def summarize(records: list[dict]) -> dict:
-    """Totals and rates of one method's records."""
+def _agreement(records: list[dict], hf_new: dict | None) -> float | None:
+    """Σ tokens before the first difference / Σ hf's new tokens, over the records checked against hf."""
+    checked = [r for r in records if r.get("identical_to_hf") is not None and hf_new and r["question_id"] in hf_new]
+    total = sum(hf_new[r["question_id"]] for r in checked)
+    same = [r["new_tokens"] if r["identical_to_hf"] else r.get("first_difference") for r in checked]
+    return sum(same) / total if total and None not in same else None
+
+
+def summarize(records: list[dict], hf_new: dict | None = None) -> dict:
+    """Totals and rates of one method's records; `hf_new`: {question_id: hf's new tokens} for the agreement."""
     new = sum(r["new_tokens"] for r in records)
     seconds = sum(r["seconds"] for r in records)
     forwards = None if any(r["forwards"] is None for r in records) else sum(r["forwards"] for r in records)
@@ -41,6 +54,7 @@ def summarize(records: list[dict]) -> dict:
         "forwards": forwards,
         "mean_accepted_tokens": new / forwards if forwards else None,
         "identical_to_hf": _ratio(sum(checked), len(checked)),
+        "agreement_with_hf": _agreement(records, hf_new),
     }
 
 
@@ -65,18 +79,19 @@ def aggregate(records: list[dict], methods: list[str]) -> dict:
         by_method[r["method"]].append(r)
         if r["category"] not in categories:
             categories.append(r["category"])
-    stats = {m: summarize(by_method[m]) for m in methods if by_method[m]}
+    hf_new = {r["question_id"]: r["new_tokens"] for r in by_method.get(BASELINE, [])}
+    stats = {m: summarize(by_method[m], hf_new) for m in methods if by_method[m]}
     _add_speedups(stats)
     for cat in categories:
-        per_cat = {m: summarize([r for r in by_method[m] if r["category"] == cat]) for m in stats}
+        per_cat = {m: summarize([r for r in by_method[m] if r["category"] == cat], hf_new) for m in stats}
         per_cat = {m: s for m, s in per_cat.items() if s["questions"]}
         _add_speedups(per_cat)
         for m, s in per_cat.items():
             stats[m].setdefault("categories", {})[cat] = s
-    # overall: a question counts as identical when every checked method reproduced hf's ids
+    # overall: a question counts as identical when every checked method (peers aside) reproduced hf's ids
     verdicts: dict[object, list[bool]] = defaultdict(list)
     for r in records:
-        if r.get("identical_to_hf") is not None:
+        if r.get("identical_to_hf") is not None and r["method"] not in PEERS:
             verdicts[r["question_id"]].append(bool(r["identical_to_hf"]))
     overall = _ratio(sum(all(v) for v in verdicts.values()), len(verdicts))
     return {"identical_to_hf": overall, "methods": stats, "categories": categories}
@@ -94,6 +109,22 @@ def _floor_line(fl: dict | None) -> list[str]:
             f"at {fl['bandwidth_gb_s']:.1f} GB/s measured); x floor = tokens/s ÷ that  "]  # fmt: skip
 
 
+def _own_floor_lines(result: dict) -> list[str]:
+    """Methods whose weights have another precision (llama.cpp F16, Q4_1) read fewer bytes per token: their own
+    floor, from their weight bytes at the same measured bandwidth."""
+    lines = []
+    for name, m in result["methods"].items():
+        if m.get("own_floor_tokens_per_s"):
+            lines.append(f"- {name}: {m['weight_mb']:.0f} MB per token, its own floor "
+                         f"{m['own_floor_tokens_per_s']:.1f} tokens/s, x own floor {_fmt(m.get('x_own_floor'))}")
+    return ["", "x floor above is against the fp32 floor; at their own precision:", "", *lines] if lines else []
+
+
+def _unchecked(result: dict) -> str:
+    peers = [n for n, m in result["methods"].items() if n in PEERS and m.get("identical_to_hf")]
+    return f"only the peers {', '.join(peers)} were compared (per row below)" if peers else "not checked"
+
+
 def markdown(result: dict) -> str:
     """A self-contained markdown report: settings, the overall table, the per-category table."""
     s, m = result["settings"], result["model"]
@@ -107,21 +138,24 @@ def markdown(result: dict) -> str:
         f"**Questions:** {result['questions']} from {s['questions_from']} (first turns), "
         f"max_new_tokens={s['max_new_tokens']}, temperature={s['temperature']}, "
         f"EAGLE-2 tree total_token={s['total_token']} depth={s['depth']} top_k={s['top_k']}  ",
-        f"**Identical to hf (T=0):** {result['identical_to_hf'] or 'not checked'}  ",
+        f"**Identical to hf (T=0):** {result['identical_to_hf'] or _unchecked(result)}  ",
         *_floor_line(result.get("floor")),
         f"**Command:** `{result['command']}`",
         "",
         "| method | tokens/s | x floor | speedup vs hf | mean accepted tokens / base forward | identical to hf "
-        "| new tokens | seconds |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| agreement with hf | new tokens | seconds |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
+    labels = result.get("method_labels") or {}
     for name, m in result["methods"].items():
+        agree = m.get("agreement_with_hf")
         lines.append(
-            f"| {name} | {_fmt(m['tokens_per_s'], 1)} | {_fmt(m.get('x_floor'))} | "
-            f"{_fmt(m['speedup_vs_hf'], 2, 'x')} | "
-            f"{_fmt(m['mean_accepted_tokens'])} | {m['identical_to_hf'] or '–'} | {m['new_tokens']} | "
-            f"{_fmt(m['seconds'], 2)} |"
+            f"| {name}{f' ({labels[name]})' if name in labels else ''} | {_fmt(m['tokens_per_s'], 1)} | "
+            f"{_fmt(m.get('x_floor'))} | {_fmt(m['speedup_vs_hf'], 2, 'x')} | "
+            f"{_fmt(m['mean_accepted_tokens'])} | {m['identical_to_hf'] or '–'} | "
+            f"{'–' if agree is None else f'{100 * agree:.1f}%'} | {m['new_tokens']} | {_fmt(m['seconds'], 2)} |"
         )
+    lines += _own_floor_lines(result)
     cats = result.get("categories") or []
     if cats:
         names = list(result["methods"])
