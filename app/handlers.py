@@ -17,7 +17,11 @@ from .highlight import highlighted_html, render
 from .session import COMPARE_SOURCE, Settings, clean_text, compare, parse_history, respond
 from .stats import figures_html, with_vanilla
 
-UPDATE_EVERY_S = 0.05  # at most ~20 page updates per second while streaming
+# At most 4 page updates per second while streaming. Each update costs the page ~20 ms of a core (Gradio's update,
+# layout, paint) and the server a few ms under the GIL, whatever the reply's length; at 20 per second that took
+# 15-25% off the model's own speed on a 2-core CPU with the browser beside it (python -m eagle.evaluation.app_speed;
+# BENCHMARKS.md, "App live speed vs the bench").
+UPDATE_EVERY_S = 0.25
 
 
 # state ---------------------------------------------------------------------------------------------------
@@ -68,8 +72,8 @@ def _settings(temperature, top_p, top_k, max_new_tokens, eagle, highlight, time_
 class Throttle:
     """True at most every `every` seconds (and always for the first and the last update)."""
 
-    def __init__(self, every: float = UPDATE_EVERY_S):
-        self.every, self.last = every, 0.0
+    def __init__(self, every: float | None = None):
+        self.every, self.last = UPDATE_EVERY_S if every is None else every, 0.0
 
     def __call__(self, final: bool = False) -> bool:
         now = time.monotonic()
