@@ -58,7 +58,9 @@ def test_pad_rows_mask_lets_pads_see_only_the_prefix_and_themselves():
     assert allowed[:2, :5].equal(mask[0, 0] == 0) and not allowed[:2, 5:].any()  # real rows never see pads
     assert allowed[2].tolist() == [True, True, True, False, False, True, False]
     assert allowed[3].tolist() == [True, True, True, False, False, False, True]
-    assert bucket_for(1) == 1 and bucket_for(2) == 16 and bucket_for(16) == 16 and bucket_for(17) is None
+    buckets = (1, 4, 8)
+    assert bucket_for(1, buckets) == 1 and bucket_for(2, buckets) == 4 and bucket_for(5, buckets) == 8
+    assert bucket_for(8, buckets) == 8 and bucket_for(9, buckets) is None
 
 
 def test_compiled_rounds_equal_hf_generate_and_compile_once_per_bucket(folder):
@@ -67,7 +69,7 @@ def test_compiled_rounds_equal_hf_generate_and_compile_once_per_bucket(folder):
     model = EaModel.from_pretrained(str(path / "base"), draft, dtype=torch.float32, compile="on")
     assert isinstance(model.base.compiled, CompiledDecode)
     torch._dynamo.utils.counters.clear()
-    tree = TreeSpec(total_token=12, depth=3, top_k=4)  # 12 rows: the 16-row bucket, padded
+    tree = TreeSpec(total_token=7, depth=3, top_k=4)  # 7 rows: the 8-row bucket, padded
     for prompt in ([3, 4, 5], [7, 2, 9, 9, 11, 4, 2, 8, 8]):
         ids = torch.tensor([prompt])
         ref = base.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=NEW,
@@ -110,3 +112,17 @@ def test_compile_auto_follows_the_measurement_and_failures_stay_eager(folder, mo
     assert tuner.compile_base(model, "on", lines.append) is False
     with pytest.raises(ValueError, match="compile must be"):
         load("yes")
+
+
+def test_inductor_cache_goes_to_the_project_cache_unless_the_user_chose_one(monkeypatch, tmp_path):
+    from torch._inductor.runtime.cache_dir_utils import cache_dir, default_cache_dir
+
+    from eagle.model.compiled import use_project_inductor_cache
+
+    monkeypatch.setenv("EAGLE_CACHE", str(tmp_path / "eagle"))
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    cache_dir()  # what importing torch._inductor does: its /tmp default written into the environment
+    assert use_project_inductor_cache() == str(tmp_path / "eagle" / "inductor") == cache_dir()
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
+    assert use_project_inductor_cache() == str(tmp_path / "mine") == cache_dir()
+    assert default_cache_dir() != str(tmp_path / "mine")

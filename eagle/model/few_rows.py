@@ -47,20 +47,6 @@ def uniform_plan(kernel: str) -> dict[int, str]:
     return {rows: kernel for rows in range(1, MAX_ROWS + 1)}
 
 
-@torch.library.custom_op("eagle::mkl_packed_linear", mutates_args=())
-def mkl_packed_linear(
-    x: torch.Tensor, packed: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
-) -> torch.Tensor:
-    """x [PACKED_ROWS, in] @ weight^T (+ bias) -> [PACKED_ROWS, out] on the MKL-packed weight. A custom op, so
-    that torch.compile keeps it as one opaque call (inductor can only lower MKL's op on frozen weights)."""
-    return torch.ops.mkl._mkl_linear(x, packed, weight, bias, PACKED_ROWS)
-
-
-@mkl_packed_linear.register_fake
-def _(x, packed, weight, bias):
-    return x.new_empty(x.shape[0], weight.shape[0])
-
-
 class FewRowLinear(nn.Linear):
     """nn.Linear whose forward takes its plan's kernel for the row count inside `few_row_kernels()`.
 
@@ -72,19 +58,15 @@ class FewRowLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
-        # compiled graphs are BaseModel's (compiled.py), always inside the context; dynamo cannot read it
-        enabled = torch.compiler.is_compiling() or _enabled.get()
-        kernel = self.plan.get(rows, "linear") if enabled else "linear"
+        # a compiled graph (compiled.py) gets the plain linear: inductor chooses and packs its own kernels
+        kernel = self.plan.get(rows, "linear") if not torch.compiler.is_compiling() and _enabled.get() else "linear"
         if kernel == "linear":
             return super().forward(x)
         flat = x.reshape(rows, x.shape[-1])  # [rows, in]
         if kernel == "packed":
             pad = flat.new_zeros(PACKED_ROWS - rows, flat.shape[1])
             padded = torch.cat((flat, pad)) if rows < PACKED_ROWS else flat.contiguous()  # [PACKED_ROWS, in]
-            if torch.compiler.is_compiling():
-                out = mkl_packed_linear(padded, self.packed, self.weight, self.bias)[:rows]
-            else:  # the same kernel without the custom op's dispatch (~30 us a call)
-                out = torch.ops.mkl._mkl_linear(padded, self.packed, self.weight, self.bias, PACKED_ROWS)[:rows]
+            out = torch.ops.mkl._mkl_linear(padded, self.packed, self.weight, self.bias, PACKED_ROWS)[:rows]
         else:
             if rows % 2:
                 flat = torch.cat((flat, flat[:1]))  # [rows + 1, in]: an even column count
