@@ -126,3 +126,28 @@ def test_inductor_cache_goes_to_the_project_cache_unless_the_user_chose_one(monk
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
     assert use_project_inductor_cache() == str(tmp_path / "mine") == cache_dir()
     assert default_cache_dir() != str(tmp_path / "mine")
+
+
+def test_compiled_graphs_freeze_the_weights_of_the_few_row_layers(folder):
+    """The graphs run on weights frozen into them (prepacked GEMMs), never plain matmuls over weight inputs: the
+    few-row layers go back to nn.Linear while compiled (dynamo lifts a custom module's weights as inputs), and
+    come back with their plan when compiling is undone."""
+    from eagle.model import few_rows
+
+    _, model = folder
+    base = BaseModel(model, eagle3=False, few_row_plan=few_rows.uniform_plan("wxt"))
+    base.compile(buckets=(1,))
+    assert few_rows.plan_of(model) is None
+    try:
+        base.compiled.warm()
+        cache = base.new_cache(16)
+        with torch.inference_mode():
+            base.forward(torch.tensor([[1, 2, 3]]), torch.arange(3)[None], cache, last_logits_only=True)
+            with torch.profiler.profile() as prof:
+                base.forward(torch.tensor([[4]]), torch.tensor([[3]]), cache, features=False)
+        names = {e.key for e in prof.key_averages()}
+        assert any("CompiledFxGraph" in n for n in names) and not names & {"aten::mm", "aten::addmm", "aten::linear"}
+    finally:
+        base.decompile()
+    assert few_rows.plan_of(model) == few_rows.uniform_plan("wxt")
+    few_rows.uninstall(model)

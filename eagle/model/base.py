@@ -116,7 +116,18 @@ class BaseModel:
         or now with `self.compiled.warm()`."""
         from .compiled import BUCKETS, CompiledDecode
 
+        # plain nn.Linear layers: dynamo lifts a custom module's weights as graph inputs, which inductor cannot
+        # freeze (its GEMMs then fall back to unpacked MKL calls); prefill and wider trees lose the few-row plan
+        self.eager_plan = few_rows.plan_of(self.model)
+        few_rows.uninstall(self.model)
         self.compiled = CompiledDecode(self, buckets or BUCKETS)
+
+    def decompile(self) -> None:
+        """Back to eager forwards, with the few-row plan in force before `compile`."""
+        self.compiled = None
+        if getattr(self, "eager_plan", None) is not None:
+            few_rows.install(self.model, self.eager_plan)
+            self.eager_plan = None
 
     def forward(
         self,

@@ -102,7 +102,15 @@ class CompiledDecode:
         if rows not in self.graphs:
             gemms = GEMM_BACKENDS[self.backend.setdefault(rows, 0)]
             options = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": gemms}
-            self.graphs[rows] = torch.compile(self.base.decode, dynamic=True, options=options)
+            graph = torch.compile(self.base.decode, dynamic=True)
+
+            def call(*args):
+                # a config scope, not torch.compile's options=: freezing is decided while dynamo traces, before
+                # those options apply (with them the weights stayed graph inputs and the GEMMs plain MKL calls)
+                with torch._inductor.config.patch(options):
+                    return graph(*args)
+
+            self.graphs[rows] = call
         return self.graphs[rows]
 
     def bucket(self, rows: int) -> int | None:

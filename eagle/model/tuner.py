@@ -209,7 +209,10 @@ def compile_base(model, mode: str, log) -> bool:
         if mode == "on":
             log("compiled rounds are built for CPU only (CUDA graphs are not done yet): decoding eagerly")
         return False
-    path = _cache_path(model, "-compiled")  # keyed on the eager model, as it is before compiling
+    from .compiled import BUCKETS, GEMM_BACKENDS
+
+    # keyed on the eager model, as it is before compiling, and on how it compiles (a change re-measures)
+    path = _cache_path(model, f"-compiled-frozen-{'+'.join(GEMM_BACKENDS)}-{'+'.join(map(str, BUCKETS))}".lower())
     saved = _load(path)
     if mode == "auto" and saved is None:
         log("compiled rounds: not measured on this machine yet (run once with --compile on, minutes the first "
@@ -222,7 +225,7 @@ def compile_base(model, mode: str, log) -> bool:
         base.compile()
         base.compiled.warm(log)
     except Exception as e:  # noqa: BLE001 - any compiler failure means: stay eager, say why
-        base.compiled = None
+        base.decompile()
         log(f"compiling failed ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); decoding eagerly")
         return False
     if saved is None:
