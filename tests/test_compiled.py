@@ -135,6 +135,7 @@ def test_compiled_graphs_freeze_the_weights_of_the_few_row_layers(folder):
     from eagle.model import few_rows
 
     _, model = folder
+    few_rows.uninstall(model)  # earlier tests installed the default plan on this model
     base = BaseModel(model, eagle3=False, few_row_plan=few_rows.uniform_plan("wxt"))
     base.compile(buckets=(1,))
     assert few_rows.plan_of(model) is None
