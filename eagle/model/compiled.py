@@ -12,7 +12,7 @@ micro-kernels (`max_autotune`, backend CPP), which pack each weight once at comp
 A decode-sized matmul is a stream of the weight, and these kernels stream it 2-2.5x faster than MKL's GEMV/GEMM on
 an AMD EPYC (a 49152 x 576 lm_head, 1 row, 2 threads: 4.7 ms vs 10.0); the small operations between the matmuls
 (norms, rotary, attention, residuals) fuse into a few C++/OpenMP loops per layer. Where no CPP kernel applies to a
-shape (odd sizes; the 1-row graph's attention matmuls, whose context length is symbolic), that bucket's graph is
+shape (odd sizes, as in tiny test models; every shape of the default model has one), that bucket's graph is
 compiled again with MKL's kernels as candidates too (`GEMM_BACKENDS`): not first,
 because autotuning times the candidates on a weight already in cache, which picks MKL for 8-16 rows where, streaming
 from memory, it is slower (16 rows of the default model: 86 ms a forward with MKL allowed, 63 without).
