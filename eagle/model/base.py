@@ -66,6 +66,7 @@ class BaseModel:
         if few_row_plan is not False:  # float32 CPU layers: faster decode-sized matmuls (see few_rows.py)
             few_rows.install(model, few_row_plan or None)
         self.compiled = None  # a CompiledDecode once `compile` is called
+        self.eager_plan = None  # the few-row plan set aside while compiled
         self.check_logits()
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -125,7 +126,7 @@ class BaseModel:
     def decompile(self) -> None:
         """Back to eager forwards, with the few-row plan in force before `compile`."""
         self.compiled = None
-        if getattr(self, "eager_plan", None) is not None:
+        if self.eager_plan is not None:
             few_rows.install(self.model, self.eager_plan)
             self.eager_plan = None
 
