@@ -38,9 +38,9 @@ def parser() -> argparse.ArgumentParser:
                    "else the base's")  # fmt: skip
     p.add_argument("--device-map", default=None, help="transformers device_map (default: auto on GPU, cpu)")
     p.add_argument("--compile", default="auto", choices=COMPILE_MODES,
-                   help="compiled base forwards on CPU: on = compile at start (minutes the first time, then cached "
-                   "on disk; eager if it fails), off, auto = on where a start with 'on' measured them faster "
-                   "on this machine (default)")  # fmt: skip
+                   help="compiled rounds on CPU, prepared in the background while the page serves eagerly "
+                   "(minutes on a small CPU; eager if compiling fails): on, off, or auto = kept where they "
+                   "measure faster than eager on this machine (default)")  # fmt: skip
     p.add_argument("--max-new-tokens", type=int, default=512, help="default reply length limit (default 512)")
     p.add_argument("--max-length", type=int, default=2048,
                    help="context budget, prompt + reply (default 2048, capped by the model's)")  # fmt: skip
@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> None:
 
 def load_engine(args):
     """Model type -> loaded model -> Engine (with a warm-up). Raises ModelLoadError."""
-    from eagle.chat.model_types import forwards_description, load, model_type, tree_description
+    from eagle.chat.model_types import load, model_type
     from eagle.chat.templates import default_system_prompt
 
     from .engine import Engine
@@ -109,15 +109,14 @@ def load_engine(args):
         print(f"Loading with model type '{mtype.name}' (its chat template) and the paths given")
     else:
         print(f"Loading model type '{mtype.name}'" + (f" ({mtype.note})" if mtype.note else ""))
+    # compiling takes minutes: the page serves eagerly first and the compiled rounds come in when ready
     loaded = load(mtype, args.base_model_path, args.ea_model_path, args.total_token, args.depth, args.top_k,
-                  args.dtype, args.device_map, stages=3, draft_dtype=args.draft_dtype,
-                  compile=args.compile)  # fmt: skip
+                  args.dtype, args.device_map, stages=3, draft_dtype=args.draft_dtype, compile="off")  # fmt: skip
     model = loaded.model
     info = {
         "model_type": mtype.name, "base": args.base_model_path or mtype.base or "SmolLM2-135M-Instruct (embedded)",
         "head": args.ea_model_path or mtype.head, "draft": "EAGLE-3" if model.use_eagle3 else "EAGLE-1/2",
-        "tree": tree_description(model), "forwards": forwards_description(model),
-        "dtype_device": f"{loaded.dtypes} / {loaded.device}",
+        **describe_forwards(model), "dtype_device": f"{loaded.dtypes} / {loaded.device}",
     }  # fmt: skip
     system = mtype.system_prompt or default_system_prompt(mtype.template)
     name = f"{mtype.name}: {os.path.basename(str(info['base']).rstrip('/'))} + {info['draft']} head"
@@ -127,4 +126,14 @@ def load_engine(args):
         engine.warmup()
         tps, _ = engine.measure_baseline()
         print(f"      vanilla decoding: {tps:.1f} tokens/s")
+    if args.compile != "off" and loaded.device == "cpu":
+        engine.info["forwards"] += " (compiled rounds being prepared in the background)"
+        engine.compile_in_background(args.compile, lambda line: print(f"[compile] {line}"), describe_forwards)
     return engine
+
+
+def describe_forwards(model) -> dict:
+    """The Model panel's lines that change when compiled rounds come in."""
+    from eagle.chat.model_types import forwards_description, tree_description
+
+    return {"tree": tree_description(model), "forwards": forwards_description(model)}

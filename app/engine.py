@@ -44,6 +44,7 @@ class Engine:
         self._lock = threading.Lock()
         self._calls: queue.SimpleQueue | None = None  # set while serve_model_calls runs
         self._server_thread: threading.Thread | None = None
+        self.compiling: threading.Thread | None = None  # `compile_in_background`'s thread, once started
         # (tokens/s, where it came from): vanilla decoding timed at start-up, the speedup's reference until a
         # session measures its own (side-by-side tab, "time vanilla too", a reply with EAGLE off)
         self.baseline: tuple[float, str] | None = None
@@ -109,6 +110,35 @@ class Engine:
     def stop_serving(self) -> None:
         if self._calls is not None:
             self._calls.put(None)
+
+    def compile_in_background(self, mode: str, log=print, describe=None) -> threading.Thread:
+        """Compile the rounds (eagle/model/tuner.py `compile_rounds`) on a thread of its own while replies are served
+        eagerly; the compiled graphs are put in use between two replies (the lock), then the tree is re-tuned for
+        them when it was tuned here, the vanilla baseline timed again, and `describe(model)` (a dict) merged into
+        `info`. Compiling runs no model call of the app's, so the page stays responsive; it shares the cores."""
+        from eagle.model.tuner import compile_rounds
+
+        def swap(install) -> None:
+            with self._lock:  # no reply is being written: a cache is sized for the graphs in use when it is made
+                self._on_model_thread(install)
+                if self.model.acceptance is not None:
+                    self._on_model_thread(self.model.tune_tree, log)
+
+        def run() -> None:
+            try:
+                compiled = compile_rounds(self.model, mode, log, swap)
+            except Exception as e:  # noqa: BLE001 - the app keeps serving eagerly, saying why
+                log(f"compiling stopped ({type(e).__name__}: {e}); still decoding eagerly")
+                return
+            if describe is not None:
+                self.info.update(describe(self.model))
+            if compiled:
+                tps, _ = self.measure_baseline()
+                log(f"compiled rounds in use; vanilla decoding now {tps:.1f} tokens/s")
+
+        self.compiling = threading.Thread(target=run, name="compile-rounds", daemon=True)
+        self.compiling.start()
+        return self.compiling
 
     def warmup(self) -> None:
         """One short run of each decoder, so that the first timed reply does not pay one-off costs."""

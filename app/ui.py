@@ -134,7 +134,7 @@ def build(engine, max_new_tokens: int = 512, title: str = "EAGLE speculative dec
                     system = gr.Textbox(engine.default_system, label="System prompt", lines=3, max_lines=10,
                                         placeholder="(empty: the chat template's default)")  # fmt: skip
                 with gr.Accordion("Model", open=False):
-                    gr.Markdown(model_info_md(engine))
+                    model_md = gr.Markdown(model_info_md(engine))
 
         settings = [temperature, top_p, top_k, max_new, eagle, highlight, time_vanilla, system]
         # The page's own events are callable by clients ("undocumented") so that tests can drive a real
@@ -173,5 +173,7 @@ def build(engine, max_new_tokens: int = 512, title: str = "EAGLE speculative dec
         clear.click(h["clear"], [state], [chatbot, figures, state], queue=False, api_name="clear", **undocumented)
         highlight.change(h["rerender"], [state, highlight], [chatbot], queue=False, **hidden)
         gr.api(h["api_chat"], api_name="chat", concurrency_id=MODEL_GROUP, concurrency_limit=1)
+        # read again at each page load: compiled rounds coming in change the forwards and the tree
+        demo.load(lambda: model_info_md(engine), None, model_md, queue=False, **hidden)
     demo.queue(default_concurrency_limit=1, max_size=64)
     return demo

@@ -5,9 +5,10 @@ import pytest
 import torch
 from tiny import random_draft, save_base, tiny_base
 
-from eagle.model import tuner
+from eagle.model import compiled, compiled_draft, tuner
 from eagle.model.base import BaseModel, additive_mask, tree_mask
 from eagle.model.compiled import CompiledDecode, bucket_for, pad_rows
+from eagle.model.compiled_draft import CompiledDraft
 from eagle.model.ea_model import EaModel
 from eagle.model.generate import TreeSpec
 
@@ -63,11 +64,17 @@ def test_pad_rows_mask_lets_pads_see_only_the_prefix_and_themselves():
     assert bucket_for(8, buckets) == 8 and bucket_for(9, buckets) is None
 
 
-def test_compiled_rounds_equal_hf_generate_and_compile_once_per_bucket(folder):
+def test_compiled_rounds_equal_hf_generate_and_compile_once_per_bucket(folder, monkeypatch):
     path, base = folder
+    # two buckets each (a minute a graph on 2 cores): the 1-row step and the tree's 8, commits of 1-2 and 3-4
+    # rows and the tree's 4-wide levels
+    monkeypatch.setattr(compiled, "BUCKETS", (1, 8))
+    monkeypatch.setattr(compiled_draft, "DRAFT_BUCKETS", (2, 4))
     draft = random_draft(base, str(path / "draft3"), eagle3=True, draft_vocab=12)
     model = EaModel.from_pretrained(str(path / "base"), draft, dtype=torch.float32, compile="on")
-    assert isinstance(model.base.compiled, CompiledDecode)
+    assert isinstance(model.base.compiled, CompiledDecode) and isinstance(model.compiled_draft, CompiledDraft)
+    # every bucket ran once while warming up: from now on only the guards that tell the graphs apart are checked
+    assert model.base.compiled.graphs.ran == {1, 8} and model.compiled_draft.graphs.ran == {2, 4}
     torch._dynamo.utils.counters.clear()
     tree = TreeSpec(total_token=7, depth=3, top_k=4)  # 7 rows: the 8-row bucket, padded
     for prompt in ([3, 4, 5], [7, 2, 9, 9, 11, 4, 2, 8, 8]):
@@ -78,7 +85,8 @@ def test_compiled_rounds_equal_hf_generate_and_compile_once_per_bucket(folder):
         assert out.tolist() == ref.tolist()
         assert n / (rounds + 1) > 1.05  # drafts were accepted: the verify pass ran on the compiled graph
         assert model.naivegenerate(ids, max_new_tokens=NEW, stop_token_ids=[]).tolist() == ref.tolist()
-    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 0  # warm() compiled both buckets already
+    # warm() compiled every bucket already: the base's and the draft's
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 0
 
 
 def test_compile_auto_follows_the_measurement_and_failures_stay_eager(folder, monkeypatch, tmp_path):
@@ -92,6 +100,7 @@ def test_compile_auto_follows_the_measurement_and_failures_stay_eager(folder, mo
 
     assert load("auto").base.compiled is None and "not measured on this machine yet" in lines[-1]
     monkeypatch.setattr(CompiledDecode, "warm", lambda self, log=None: {})  # no real compiling below
+    monkeypatch.setattr(CompiledDraft, "warm", lambda self, log=None: {})
     timings = {"compiled": 0.001, "eager": 0.002}
     monkeypatch.setattr(BaseModel, "pass_seconds",
                         lambda self, rows, *a, **k: {n: timings["compiled" if self.compiled else "eager"] for n in rows})  # fmt: skip
@@ -109,7 +118,7 @@ def test_compile_auto_follows_the_measurement_and_failures_stay_eager(folder, mo
     monkeypatch.setattr(BaseModel, "compile", broken)
     model = load("on")
     assert model.base.compiled is None and lines[-1] == "compiling failed (RuntimeError: no C++ compiler); decoding eagerly"
-    assert tuner.compile_base(model, "on", lines.append) is False
+    assert tuner.compile_rounds(model, "on", lines.append) is False
     with pytest.raises(ValueError, match="compile must be"):
         load("yes")
 
@@ -137,7 +146,7 @@ def test_compiled_graphs_freeze_the_weights_of_the_few_row_layers(folder):
     _, model = folder
     few_rows.uninstall(model)  # earlier tests installed the default plan on this model
     base = BaseModel(model, eagle3=False, few_row_plan=few_rows.uniform_plan("wxt"))
-    base.compile(buckets=(1,))
+    base.compiled = base.compile(buckets=(1,))
     assert few_rows.plan_of(model) is None
     try:
         base.compiled.warm()

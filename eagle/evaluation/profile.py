@@ -88,7 +88,7 @@ def instrument(clock: PhaseClock, model):
     """Wrap the engine's phase functions (class and module attributes), restoring them on exit."""
     from eagle.model import generate
     from eagle.model.base import BaseModel
-    from eagle.model.draft import Drafter
+    from eagle.model.draft import Drafter, HeadStep
     from eagle.model.kv_cache import TreeKVCache
     from eagle.model.tree import DraftTree
 
@@ -101,7 +101,7 @@ def instrument(clock: PhaseClock, model):
     lm = model.base.lm_head
     patches = [
         (BaseModel, "forward", base_forward), (Drafter, "_expand", "draft_forward"),
-        (Drafter, "_log_probs", "draft_logits"), (Drafter, "dynamic_tree", "draft_select"),
+        (HeadStep, "log_probs", "draft_logits"), (Drafter, "dynamic_tree", "draft_select"),
         (Drafter, "static_tree", "draft_select"), (Drafter, "commit", "draft_commit"),
         (DraftTree, "__post_init__", "tree_build"), (DraftTree, "ancestor_mask", "tree_mask"),
         (generate, "tree_mask", "tree_mask"), (generate, "accept", "accept"), (TreeKVCache, "compact", "compact"),

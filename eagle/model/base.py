@@ -65,7 +65,7 @@ class BaseModel:
         self.logit_transform = logit_transform(model.config)  # None = the lm_head's logits are the model's
         if few_row_plan is not False:  # float32 CPU layers: faster decode-sized matmuls (see few_rows.py)
             few_rows.install(model, few_row_plan or None)
-        self.compiled = None  # a CompiledDecode once `compile` is called
+        self.compiled = None  # the CompiledDecode in use (`compile` builds one)
         self.eager_plan = None  # the few-row plan set aside while compiled
         self.check_logits()
 
@@ -112,16 +112,19 @@ class BaseModel:
         slack = max(self.compiled.buckets) if self.compiled is not None else 0  # a padded pass writes a bucket
         return TreeKVCache(self.num_layers, capacity + slack)
 
-    def compile(self, buckets=None) -> None:
-        """Run the vanilla step and verify passes as compiled graphs (eagle/model/compiled.py); compiles lazily,
-        or now with `self.compiled.warm()`."""
+    def compile(self, buckets=None):
+        """Graphs of the vanilla step and verify passes (eagle/model/compiled.py), compiled lazily or now with their
+        `warm()`; `forward` runs them once they are set as `self.compiled` (between generations: a cache is sized
+        for the graphs in use when it is made). Returns the `CompiledDecode`."""
         from .compiled import BUCKETS, CompiledDecode
 
         # plain nn.Linear layers: dynamo lifts a custom module's weights as graph inputs, which inductor cannot
-        # freeze (its GEMMs then fall back to unpacked MKL calls); prefill and wider trees lose the few-row plan
-        self.eager_plan = few_rows.plan_of(self.model)
+        # freeze (its GEMMs then fall back to unpacked MKL calls); prefill and wider trees lose the few-row plan.
+        # Swapping a layer's class under a running eager forward is harmless: both compute the same product.
+        if self.eager_plan is None:
+            self.eager_plan = few_rows.plan_of(self.model)
         few_rows.uninstall(self.model)
-        self.compiled = CompiledDecode(self, buckets or BUCKETS)
+        return CompiledDecode(self, buckets or BUCKETS)
 
     def decompile(self) -> None:
         """Back to eager forwards, with the few-row plan in force before `compile`."""
@@ -143,7 +146,8 @@ class BaseModel:
         input_ids, position_ids = input_ids.to(self.input_device), position_ids.to(self.input_device)
         q = input_ids.shape[1]
         with few_rows.few_row_kernels():
-            if self.compiled is None or last_logits_only or self.compiled.bucket(q) is None:
+            # a cache of 0 or 1 rows would be a graph of its own (dynamo specialises those ints): eager
+            if self.compiled is None or last_logits_only or cache.length < 2 or self.compiled.bucket(q) is None:
                 return self.decode(input_ids, position_ids, mask, cache, features, last_logits_only)
             if mask is None:
                 causal = torch.ones(q, cache.length + q, dtype=torch.bool, device=self.input_device)

@@ -9,20 +9,26 @@ changes the output. Prefill, and trees wider than the largest bucket, run eagerl
 
 The weights are frozen into the graphs (inductor's `freezing`) and the matmuls are inductor's own C++ GEMM
 micro-kernels (`max_autotune`, backend CPP), which pack each weight once at compile time for the bucket's rows.
-A decode-sized matmul is a stream of the weight, and these kernels stream it 2-2.5x faster than MKL's GEMV/GEMM on
-an AMD EPYC (a 49152 x 576 lm_head, 1 row, 2 threads: 4.7 ms vs 10.0); the small operations between the matmuls
-(norms, rotary, attention, residuals) fuse into a few C++/OpenMP loops per layer. Where no CPP kernel applies to a
-shape (odd sizes, as in tiny test models; every shape of the default model has one), that bucket's graph is
-compiled again with MKL's kernels as candidates too (`GEMM_BACKENDS`): not first,
-because autotuning times the candidates on a weight already in cache, which picks MKL for 8-16 rows where, streaming
-from memory, it is slower (16 rows of the default model: 86 ms a forward with MKL allowed, 63 without).
+A decode-sized matmul is a stream of the weight, and these kernels stream it at the machine's bandwidth where MKL's
+GEMV/GEMM reach 40% of it (AMD EPYC, 2 threads: every GEMM of a 1-row step of the default model at 28-30 GB/s,
+`torch.sum` 27 GB/s; MKL 11 GB/s); the small operations between the matmuls (norms, rotary, residuals) fuse
+into a few C++/OpenMP loops per layer. The graph's ~400 kernel calls are made from C++ (`cpp_wrapper`), and once a
+bucket has run, dynamo checks only the guards that tell the graphs apart (`BucketGraphs.call`): on that machine
+the 1-row step went 24 -> 20.5 -> 19.1 ms with the two, the bandwidth floor being 20 ms. Where no CPP kernel
+applies to a shape (odd sizes, as in tiny test models; every shape of the default model has one) or inductor's CPP
+template fails on one (its epilogue of a biased q/k/v projection in a tiny Qwen2), that bucket's graph is compiled
+again with MKL's kernels as candidates too, then with MKL's alone (`GEMM_BACKENDS`): not first, because autotuning
+times the candidates on a weight already in cache, which picks MKL for 8-16 rows where, streaming from memory, it
+is slower (16 rows of the default model: 86 ms a forward with MKL allowed, 63 without).
 The frozen graphs hold their own packed copy of the weights (the default model: +538 MB).
 
 Compiled artefacts are cached on disk under `cache_dir()/inductor` (TORCHINDUCTOR_CACHE_DIR if set), but inductor's
-graph cache skips these graphs ("mkldnn tensors unpickleable": the prepacked frozen weights), so each start compiles
-again: about 2 minutes a bucket on a 2-core AMD EPYC (autotuning results and C++ builds are reused). Three buckets
-because 16 rows cost 2.7 one-row forwards there (1 / 4 / 8 / 16 rows: 23 / 24 / 36 / 63 ms): the tuner's trees stay
-within 8 nodes, and a larger tree verifies eagerly.
+graph cache skips these graphs ("mkldnn tensors unpickleable": the CPP GEMMs need inductor's weight prepacking,
+which leaves mkldnn tensors in the frozen graph), so each start compiles again: about 2.5-3 minutes a bucket on a
+2-core AMD EPYC (C++ builds are reused); the app therefore compiles beside the eager model and swaps the graphs in
+when they are ready (`tuner.compile_rounds`, `app.engine.Engine.compile_in_background`). Three buckets because
+16 rows are FLOP-bound on such a machine (1 / 4 / 8 / 16 rows: 23 / 24 / 36 / 63 ms there before the C++
+wrapper): the tuner's trees stay within 8 nodes, and a larger tree verifies eagerly.
 On CUDA the same graphs would want CUDA graphs over static buffers; that is not built yet (`compile` is CPU
 only and refuses CUDA with a message).
 """
@@ -38,7 +44,11 @@ from .base import additive_mask
 
 BUCKETS = (1, 4, 8)
 # inductor's GEMM backends, tried in order: the first whose graphs compile is kept (see the module docstring)
-GEMM_BACKENDS = ("CPP", "CPP,ATEN")
+GEMM_BACKENDS = ("CPP", "CPP,ATEN", "ATEN")
+# inductor options of every graph (with the bucket's GEMM backends). cpp_wrapper: the graph's ~400 kernel calls are
+# made from C++, not from a Python function (a 1-row step of the default model 24 -> 20.5 ms on an AMD EPYC).
+# Timings measured with other options are not reused (the tuner's cache keys name them).
+OPTIONS = {"freezing": True, "max_autotune": True, "cpp_wrapper": True}
 
 
 def use_project_inductor_cache() -> str:
@@ -86,23 +96,28 @@ def pad_rows(
     return ids, positions, full
 
 
-class CompiledDecode:
-    """`BaseModel.decode` compiled for each bucket; `run` pads, calls the graph and drops the pads."""
+class BucketGraphs:
+    """`fn` compiled once per bucket of rows: the rows static in each graph, every other size symbolic. `call`
+    runs the bucket's graph and, where no CPP GEMM applies to one of its shapes, compiles it again with the next
+    GEMM backends (`undo` first puts back any state the failed call changed)."""
 
-    def __init__(self, base, buckets=BUCKETS):
-        if base.lm_head.weight.device.type != "cpu":
-            raise ValueError("compiled rounds are built for CPU (inductor) only; on CUDA use compile='off'")
-        use_project_inductor_cache()
+    def __init__(self, fn, buckets):
+        self.fn = fn
         self.buckets = tuple(sorted(buckets))
-        self.base = base
         self.backend: dict[int, int] = {}  # rows -> index into GEMM_BACKENDS
-        self.graphs: dict[int, object] = {}  # rows -> compiled decode
+        self.graphs: dict[int, object] = {}  # rows -> compiled fn
+        self.ran: set[int] = set()  # buckets whose graph has run (compiled) at least once
+
+    def bucket(self, rows: int) -> int | None:
+        return bucket_for(rows, self.buckets)
+
+    def gemms(self, rows: int) -> str:
+        return GEMM_BACKENDS[self.backend.get(rows, 0)]
 
     def _graph(self, rows: int):
         if rows not in self.graphs:
-            gemms = GEMM_BACKENDS[self.backend.setdefault(rows, 0)]
-            options = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": gemms}
-            graph = torch.compile(self.base.decode, dynamic=True)
+            options = {**OPTIONS, "max_autotune_gemm_backends": self.gemms(rows)}
+            graph = torch.compile(self.fn, dynamic=True)
 
             def call(*args):
                 # a config scope, not torch.compile's options=: freezing is decided while dynamo traces, before
@@ -113,35 +128,80 @@ class CompiledDecode:
             self.graphs[rows] = call
         return self.graphs[rows]
 
+    def call(self, rows: int, args: tuple, undo=lambda: None):
+        """The graph of `rows` (a bucket) on `args`; tensors among them must be `rows` long where marked static.
+        A bucket whose first call fails to compile is compiled again with the next GEMM backends (GEMM_BACKENDS).
+
+        Once a bucket's graph has run, dynamo checks only the guards that tell its graphs apart (which bucket,
+        which model), not all of them (1.4 ms a call on the default model, 7% of a step): what else the guards
+        cover (dtypes, the cache's structure, the ranks of every tensor) is the same on every call by
+        construction (`CompiledDecode.run`, `CompiledDraft.run`), and a call that matches no graph still
+        compiles one."""
+        if rows in self.ran:
+            try:
+                with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
+                    return self._graph(rows)(*args)
+            except RuntimeError as e:  # raised before the graph runs: a call unlike the warm-up's (a cache made
+                if "skip_guard_eval_unsafe" not in str(e):  # outside inference_mode, ...) compiles a graph of its own
+                    raise
+        try:
+            out = self._graph(rows)(*args)
+        except torch._dynamo.exc.BackendCompilerFailed:  # inductor's errors (NoValidChoicesError, an assertion)
+            if self.backend.get(rows, 0) + 1 == len(GEMM_BACKENDS):
+                raise
+            self.backend[rows] = self.backend.get(rows, 0) + 1  # this bucket compiles again with the next backend
+            del self.graphs[rows]
+            undo()
+            return self.call(rows, args, undo)
+        self.ran.add(rows)
+        return out
+
+
+def static_rows(*tensors_and_dims) -> None:
+    """Mark each (tensor, dim) static: one graph per bucket, its GEMMs built for that many rows."""
+    for t, dim in tensors_and_dims:
+        torch._dynamo.mark_static(t, dim)
+
+
+def fresh(t: torch.Tensor) -> torch.Tensor:
+    """A row-major copy: a slice of a longer tensor keeps its strides, and strides are guarded (a recompile)."""
+    return t.new_empty(t.shape).copy_(t)
+
+
+class CompiledDecode:
+    """`BaseModel.decode` compiled for each bucket; `run` pads, calls the graph and drops the pads."""
+
+    def __init__(self, base, buckets=BUCKETS):
+        if base.lm_head.weight.device.type != "cpu":
+            raise ValueError("compiled rounds are built for CPU (inductor) only; on CUDA use compile='off'")
+        use_project_inductor_cache()
+        self.base = base
+        self.graphs = BucketGraphs(base.decode, buckets)
+        self.buckets = self.graphs.buckets
+
     def bucket(self, rows: int) -> int | None:
-        return bucket_for(rows, self.buckets)
+        return self.graphs.bucket(rows)
 
     def run(self, input_ids, position_ids, mask, cache, features: bool):
         """Like `BaseModel.decode` on q <= max bucket rows, with the cache left at length L + q."""
         q = input_ids.shape[1]
         rows = self.bucket(q)
-        # fresh row-major tensors: a slice of a longer one keeps its strides, and strides are guarded (a recompile)
-        ids, positions, mask = (t.new_empty(t.shape).copy_(t) for t in pad_rows(input_ids, position_ids, mask, rows))
-        for t, rows_dim in ((ids, 1), (positions, 1), (mask, 2)):
-            torch._dynamo.mark_static(t, rows_dim)  # one graph per bucket, its GEMMs built for that many rows
+        ids, positions, mask = map(fresh, pad_rows(input_ids, position_ids, mask, rows))
+        static_rows((ids, 1), (positions, 1), (mask, 2))
         length = cache.length
-        try:
-            logits, feats = self._graph(rows)(ids, positions, mask, cache, features, False)
-        except Exception as e:  # noqa: BLE001 - inductor's NoValidChoicesError comes wrapped in its own errors
-            if "NoValidChoicesError" not in str(e) or self.backend[rows] + 1 == len(GEMM_BACKENDS):
-                raise
-            self.backend[rows] += 1  # this bucket compiles again with the next backend
-            del self.graphs[rows]
-            cache.crop_to(length)
-            return self.run(input_ids, position_ids, mask, cache, features)
+        logits, feats = self.graphs.call(
+            rows, (ids, positions, mask, cache, features, False), undo=lambda: cache.crop_to(length)
+        )
         cache.crop_to(cache.length - (rows - q))  # the pads' rows
         return logits[:q], None if feats is None else feats[:q]
 
     def warm(self, log=None, context: int = 64) -> dict[int, float]:
         """Compile every bucket now (a forward over dummy tokens); returns seconds per bucket."""
         seconds = {}
-        cache = self.base.new_cache(context + max(self.buckets))
         with torch.inference_mode():
+            # room beyond the largest bucket, as every cache of a generation has (BaseModel.new_cache): a pass that
+            # fills its cache exactly would be traced with the cache's size tied to its length, a graph of its own
+            cache = self.base.new_cache(context + 2 * max(self.buckets))
             ids = torch.zeros(1, context, dtype=torch.long)
             # eager, with features: transformers installs its hidden-state hooks on first use (a graph break if
             # that happened inside the graph)
@@ -156,6 +216,5 @@ class CompiledDecode:
                 cache.crop_to(context)
                 seconds[rows] = time.perf_counter() - t0
                 if log:
-                    log(f"compiled the {rows}-row forward in {seconds[rows]:.1f} s (GEMMs: "
-                        f"{GEMM_BACKENDS[self.backend[rows]]})")  # fmt: skip
+                    log(f"compiled the {rows}-row forward in {seconds[rows]:.1f} s (GEMMs: {self.graphs.gemms(rows)})")
         return seconds

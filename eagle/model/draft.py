@@ -18,15 +18,49 @@ from .transfer import to_device
 from .tree import DraftTree, TreeDraft, ancestors_on_device, static_tree_levels
 
 
-class Drafter:
-    def __init__(self, head: DraftHead, base_lm_head: nn.Module, capacity: int):
+class HeadStep:
+    """One draft-head forward over m rows and what each row predicts, as log-probabilities: the step drafting
+    repeats (compiled per bucket of rows by compiled_draft.py)."""
+
+    def __init__(self, head: DraftHead, base_lm_head: nn.Module):
         self.head = head
         self.base_lm_head = base_lm_head
-        self.cache = head.new_cache(capacity)
+
+    def __call__(self, hidden, input_ids, position_ids, mask, cache, write_at: int):
+        """hidden [1, m, H]; ids, positions [1, m]; mask additive [1, 1, m, write_at + m] -> out [m, H] and
+        log-probs [m, draft vocab] float32."""
+        out = self.head(hidden, input_ids, position_ids, mask, cache, write_at)[0]
+        return out, self.log_probs(out)
+
+    def log_probs(self, out: torch.Tensor) -> torch.Tensor:
+        # [m, H] -> [m, draft vocab] float32
+        return torch.log_softmax(self.head.logits(out, self.base_lm_head).float(), dim=-1)
+
+
+class Drafter:
+    def __init__(self, head: DraftHead, base_lm_head: nn.Module, capacity: int, compiled=None):
+        """compiled: a `CompiledDraft` of this head (its steps then run as graphs where a bucket fits)."""
+        self.head = head
+        self.step = HeadStep(head, base_lm_head)
+        self.compiled = compiled
+        slack = max(compiled.buckets) if compiled is not None else 0  # a padded step writes a whole bucket
+        self.cache = head.new_cache(capacity + slack)
         self.dtype = head.fc.weight.dtype
         self.device = head.fc.weight.device
         self.last: torch.Tensor | None = None  # [1, H] the head's output at the last committed position
+        self.last_log_probs: torch.Tensor | None = None  # [1, draft vocab] what it predicts (the root's children)
         self._static: dict[tuple, tuple] = {}  # static-tree choices -> their shape on the device (_static_shape)
+
+    def _compiled_fits(self, rows: int, write_at: int) -> bool:
+        """Whether a compiled graph takes this step: a bucket holds the rows, and the cache already holds two or
+        more rows (dynamo specialises an int of 0 or 1, which would compile a graph of its own)."""
+        return self.compiled is not None and write_at > 1 and self.compiled.bucket(rows) is not None
+
+    def _run(self, hidden, ids, positions, mask, write_at: int):
+        """`HeadStep` on m rows: compiled where a bucket holds them. hidden [1, m, H] -> ([m, H], [m, Vd])."""
+        if self._compiled_fits(ids.shape[1], write_at):
+            return self.compiled.run(hidden, ids, positions, mask, self.cache, write_at)
+        return self.step(hidden, ids, positions, mask, self.cache, write_at)
 
     # ---------------------------------------------------------------------------------------------------------
     def commit(self, features: torch.Tensor, next_tokens: list[int]) -> None:
@@ -35,27 +69,28 @@ class Drafter:
         ids = to_device([next_tokens], self.device)
         positions = torch.arange(start, start + n, device=self.device)[None]
         causal = torch.ones(n, start + n, dtype=torch.bool, device=self.device).tril(start)
-        out = self.head(features[None].to(self.device), ids, positions, additive_mask(causal, self.dtype), self.cache, start)
+        mask = additive_mask(causal, self.dtype)
+        hidden = features[None].to(device=self.device, dtype=self.dtype)  # [1, n, F]
+        if self.head.eagle3 and hidden.shape[-1] != self.head.config.hidden_size:
+            hidden = self.head.fuse(hidden)  # [1, n, H]: commits and expansions then share the compiled steps
+        if self._compiled_fits(n, start):
+            out, log_probs = self.compiled.run(hidden, ids, positions, mask, self.cache, start)
+            self.last, self.last_log_probs = out[-1:], log_probs[-1:]
+        else:  # a prompt: the head over all its rows, the log-probs of the last only
+            self.last = self.head(hidden, ids, positions, mask, self.cache, start)[:, -1]
+            self.last_log_probs = self.step.log_probs(self.last)
         self.cache.length = start + n
-        self.last = out[:, -1]
 
-    def _log_probs(self, out: torch.Tensor) -> torch.Tensor:
-        # [m, H] -> [m, draft vocab] fp32
-        return torch.log_softmax(self.head.logits(out, self.base_lm_head).float(), dim=-1)
-
-    def _expand(self, hidden, tokens, ancestors, depth: int, written: int) -> torch.Tensor:
+    def _expand(self, hidden, tokens, ancestors, depth: int, written: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Run the head on m nodes of one tree level.
 
         hidden [m, H]: the parents' outputs; tokens [m]: target ids; ancestors [m, written + m] bool over the tree
-        entries already in the cache plus these nodes. Returns [m, H]."""
+        entries already in the cache plus these nodes. Returns the outputs [m, H] and their log-probs [m, Vd]."""
         m, committed = tokens.shape[0], self.cache.length
         allowed = torch.ones(m, committed + written + m, dtype=torch.bool, device=self.device)
         allowed[:, committed:] = ancestors
         positions = torch.full((1, m), committed + depth - 1, device=self.device)
-        out = self.head(
-            hidden[None], tokens[None], positions, additive_mask(allowed, self.dtype), self.cache, committed + written
-        )
-        return out[0]
+        return self._run(hidden[None], tokens[None], positions, additive_mask(allowed, self.dtype), committed + written)
 
     # ---------------------------------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -69,8 +104,7 @@ class Drafter:
         and are not drafted. Everything stays on the device: the host reads the tree with the verification."""
         k = top_k
         depth = min(depth, total_token - 2)  # expansion `level` drafts nodes of depth level + 1
-        log_probs = self._log_probs(self.last)[0]  # [Vd]
-        scores, ids = log_probs.topk(k)  # [k]
+        scores, ids = self.last_log_probs[0].topk(k)  # [k]
         tokens = self.head.to_target_ids(ids)
         pool_scores, pool_tokens = [scores], [tokens]
         pool_parents = [torch.full((k,), -1, device=self.device)]
@@ -80,9 +114,9 @@ class Drafter:
         ancestors = torch.eye(k, dtype=torch.bool, device=self.device)
         pool_size, written = k, 0
         for level in range(1, depth + 1):
-            out = self._expand(hidden, tokens, ancestors, level, written)  # [k, H]
+            out, log_probs = self._expand(hidden, tokens, ancestors, level, written)  # [k, H], [k, Vd]
             written += k
-            child_lp, child_ids = self._log_probs(out).topk(k, dim=-1)  # [k, k]
+            child_lp, child_ids = log_probs.topk(k, dim=-1)  # [k, k]
             cumulative = (child_lp + scores[:, None]).flatten()  # [k * k] path log-probs
             child_tokens = self.head.to_target_ids(child_ids.flatten())
             pool_scores.append(cumulative)
@@ -114,7 +148,7 @@ class Drafter:
     def static_tree(self, root: int, choices: list[list[int]]) -> TreeDraft:
         """EAGLE-1: a fixed tree of top-k ranks (e.g. MC_SIM_7B_63); its shape is read once per choices."""
         parents, depth, ancestors, level_rows, level_ranks, top = self._static_shape(choices)
-        log_probs = self._log_probs(self.last)  # [1, Vd] for the root
+        log_probs = self.last_log_probs  # [1, Vd] for the root
         hidden = self.last
         tokens = [to_device([root], self.device)]
         written, level_ancestors = 0, torch.zeros(1, 0, dtype=torch.bool, device=self.device)
@@ -126,9 +160,8 @@ class Drafter:
             m = rows.shape[0]
             eye = torch.eye(m, dtype=torch.bool, device=self.device)
             level_ancestors = torch.cat([level_ancestors[rows], eye], dim=1)  # [m, written + m]
-            hidden = self._expand(hidden[rows], tokens[-1], level_ancestors, level, written)
+            hidden, log_probs = self._expand(hidden[rows], tokens[-1], level_ancestors, level, written)
             written += m
-            log_probs = self._log_probs(hidden)
         return TreeDraft(torch.cat(tokens), parents, depth, ancestors)
 
     def _static_shape(self, choices) -> tuple:

@@ -22,7 +22,7 @@ from .checkpoint import build_draft_head, read_acceptance_profile, read_checkpoi
 from .draft import Drafter
 from .draft_head import DraftHead
 from .generate import Budget, Round, TreeSpec, eagle_rounds, vanilla_rounds
-from .tuner import TreeChoice, compile_base, faster_draft_dtype, few_row_plan, tune
+from .tuner import TreeChoice, compile_rounds, faster_draft_dtype, few_row_plan, tune
 from .verify import SamplingParams, TokenPicker
 
 # End-of-turn tokens of common chat templates; those present in the vocabulary stop generation.
@@ -66,6 +66,8 @@ class EaModel(nn.Module):
         self._validate_tree(self.tree)
         self.stop_token_ids = self._default_stop_ids()
         self.tree_choice: TreeChoice | None = None  # set when the tree was tuned on this machine (total_token=-1)
+        self.compiled_draft = None  # the CompiledDraft in use (`compile_draft` builds one)
+        self.acceptance: list[list[float]] | None = None  # the head's acceptance profile, when the tree is tuned
 
     # ---------------------------------------------------------------------------------------------------------
     @classmethod
@@ -117,16 +119,30 @@ class EaModel(nn.Module):
         if draft_dtype == "auto" and head.fc.weight.dtype == torch.float32 and head.fc.weight.device.type == "cpu":
             model.ea_layer.to(faster_draft_dtype(model))  # bf16 where it drafts faster on this CPU
         if compile != "off":
-            compile_base(model, compile, log or (lambda line: None))
+            compile_rounds(model, compile, log or (lambda line: None))
         if total_token == -1:
             profile = read_acceptance_profile(ea_model_path)
             if profile is not None and not tree_choices:  # the tree that measures fastest here (tuner.py)
-                model.tree_choice = tune(model, profile["accept"]["0"])
-                c = model.tree_choice
-                model.tree = TreeSpec(c.total_token, c.depth, c.top_k, None)
+                model.acceptance = profile["accept"]["0"]
+                model.tune_tree()
             else:
                 model.tree = TreeSpec(model.pick_total_token(), depth, top_k, model.tree.choices)
         return model.eval()
+
+    def tune_tree(self, log=None) -> None:
+        """Pick the tree that measures fastest here with the forwards in use now (tuner.py); needs the head's
+        acceptance profile (`self.acceptance`, read at load with total_token=-1)."""
+        self.tree_choice = c = tune(self, self.acceptance, log)
+        self.tree = TreeSpec(c.total_token, c.depth, c.top_k, None)
+
+    def compile_draft(self, buckets=None):
+        """The draft head's steps as compiled graphs (eagle/model/compiled_draft.py), compiled lazily or now with
+        their `warm()`; drafting runs them once they are set as `self.compiled_draft`. The head's dtype and weights
+        are frozen into the graphs: cast it first. Returns the `CompiledDraft`."""
+        from .compiled_draft import DRAFT_BUCKETS, CompiledDraft
+        from .draft import HeadStep
+
+        return CompiledDraft(HeadStep(self.ea_layer, self.base.lm_head), buckets or DRAFT_BUCKETS)
 
     def get_tokenizer(self):
         return self.tokenizer
@@ -179,7 +195,7 @@ class EaModel(nn.Module):
             yield from vanilla_rounds(self.base, input_ids, picker, budget, cache)
             return
         capacity = input_ids.shape[1] + budget.limit + tree.max_draft_entries + 1
-        drafter = Drafter(self.ea_layer, self.base.lm_head, capacity)
+        drafter = Drafter(self.ea_layer, self.base.lm_head, capacity, self.compiled_draft)
         yield from eagle_rounds(self.base, drafter, input_ids, picker, budget, tree, cache)
 
     def _generate(self, input_ids, eagle: bool, log: bool, **kw):

@@ -72,7 +72,7 @@ def draft_seconds(model, depths, top_ks, context: int = 256, repeats: int = 5) -
     from .draft import Drafter
 
     head = model.ea_layer
-    drafter = Drafter(head, model.base.lm_head, context + 2 + max(depths) * max(top_ks))
+    drafter = Drafter(head, model.base.lm_head, context + 2 + max(depths) * max(top_ks), model.compiled_draft)
     features = torch.randn(context + 2, head.config.feature_size, dtype=drafter.dtype)
     tokens = torch.randint(0, model.vocab_size, (context + 2,)).tolist()
     drafter.commit(features[:context], tokens[:context])
@@ -107,6 +107,13 @@ def cpu_description() -> dict:
     return info
 
 
+def compiled_options() -> str:
+    """How compiled graphs are built (compiled.py's inductor options and GEMM backends), for cache keys."""
+    from .compiled import GEMM_BACKENDS, OPTIONS
+
+    return json.dumps({**OPTIONS, "gemm_backends": GEMM_BACKENDS}, sort_keys=True)
+
+
 def _cache_key(model) -> str:
     from . import few_rows
 
@@ -120,6 +127,8 @@ def _cache_key(model) -> str:
         "head_dtype": str(model.ea_layer.fc.weight.dtype),
         "few_row_plan": few_rows.plan_of(base),
         "compiled": model.base.compiled.buckets if model.base.compiled is not None else None,
+        "compiled_draft": model.compiled_draft.buckets if model.compiled_draft is not None else None,
+        "compile_options": compiled_options() if model.base.compiled or model.compiled_draft else None,
     }  # fmt: skip
     return hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()[:20]
 
@@ -200,48 +209,86 @@ def few_row_plan(model, log=None) -> dict[int, str]:
     return plan
 
 
-def compile_base(model, mode: str, log) -> bool:
-    """Compiled base forwards (`compiled.py`) for mode "on", or for "auto" where a start with "on" measured
-    them faster here (the 1-row step and 16-row verify pass, eager vs compiled, cached per machine + model).
-    Compiling failures leave the model eager with one line in `log`. Returns whether compiled forwards are used."""
+def compile_rounds(model, mode: str, log, swap=None) -> bool:
+    """Compiled base forwards (`compiled.py`) and draft steps (`compiled_draft.py`) for mode "on", or for "auto"
+    where they measure faster than eager here (their forwards per bucket, timed once per machine + model, cached).
+
+    Compiling takes minutes; the graphs are built and warmed beside the eager model, then `swap(install)` puts them
+    in use at a moment when no generation runs (default: at once). `install` times them against eager the first
+    time on this machine and, for "auto", keeps eager if that is faster. Without `swap`, "auto" compiles only once
+    an earlier start measured it (a load is not made to wait minutes by default); with one (the app, serving
+    eagerly meanwhile), it compiles to measure. Failures stay eager with one line in `log`. Returns whether the
+    base's forwards are compiled in the end."""
     base = model.base
     if base.lm_head.weight.device.type != "cpu":
         if mode == "on":
             log("compiled rounds are built for CPU only (CUDA graphs are not done yet): decoding eagerly")
         return False
-    from .compiled import BUCKETS, GEMM_BACKENDS
+    from .compiled import BUCKETS
 
     # keyed on the eager model, as it is before compiling, and on how it compiles (a change re-measures)
-    path = _cache_path(model, f"-compiled-frozen-{'+'.join(GEMM_BACKENDS)}-{'+'.join(map(str, BUCKETS))}".lower())
+    how = hashlib.sha256(f"{compiled_options()}{BUCKETS}".encode()).hexdigest()[:8]
+    path = _cache_path(model, f"-compiled-{how}")
     saved = _load(path)
-    if mode == "auto" and saved is None:
+    if mode == "auto" and saved is None and swap is None:
         log("compiled rounds: not measured on this machine yet (run once with --compile on, minutes the first "
             "time); decoding eagerly")  # fmt: skip
         return False
-    if mode == "auto" and not saved["compiled_pays"]:
+    if mode == "auto" and saved is not None and not saved["compiled_pays"]:
         return False
-    log("compiling the base's 1-row step and verify pass (inductor; cached on disk for the next start)")
+    log("compiling the base's 1-row step and verify passes, then the draft steps (inductor)")
     try:
-        base.compile()
-        base.compiled.warm(log)
+        graphs = base.compile()
+        graphs.warm(log)
     except Exception as e:  # noqa: BLE001 - any compiler failure means: stay eager, say why
         base.decompile()
-        log(f"compiling failed ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); decoding eagerly")
+        log(f"compiling failed ({type(e).__name__}: {_first_line(e)}); decoding eagerly")
         return False
-    if saved is None:
-        rows = list(base.compiled.buckets)
-        ms = {"compiled": {n: 1e3 * t for n, t in base.pass_seconds(rows).items()}}
-        compiled, base.compiled = base.compiled, None
+    try:
+        draft = model.compile_draft()
+        draft.warm(log)
+    except Exception as e:  # noqa: BLE001 - as above: the draft steps stay eager
+        draft = None
+        log(f"compiling the draft steps failed ({type(e).__name__}: {_first_line(e)}); drafting eagerly")
+    kept = []
+
+    def install() -> None:
+        nonlocal saved
+        base.compiled, model.compiled_draft = graphs, draft
+        if saved is None:
+            saved = _compiled_vs_eager(base)
+            _save(path, saved)
+            rows, ms = list(saved["ms"]["compiled"]), saved["ms"]
+            log("compiled vs eager, ms per forward over " + "/".join(map(str, rows)) + " rows: "
+                + "/".join(f"{ms['compiled'][n]:.0f}" for n in rows) + " vs "
+                + "/".join(f"{ms['eager'][n]:.0f}" for n in rows))  # fmt: skip
+        if not saved["compiled_pays"]:
+            if mode == "auto":
+                base.decompile()
+                model.compiled_draft = None
+                log("compiled forwards measured slower than eager here: decoding eagerly")
+                return
+            log("note: compiled forwards measured slower than eager here; kept because --compile on")
+        kept.append(True)
+
+    (swap or (lambda fn: fn()))(install)
+    return bool(kept)
+
+
+def _compiled_vs_eager(base) -> dict:
+    """ms per forward over each bucket's rows with the compiled graphs in use and without them."""
+    rows = list(base.compiled.buckets)
+    ms = {"compiled": {n: 1e3 * t for n, t in base.pass_seconds(rows).items()}}
+    compiled, base.compiled = base.compiled, None
+    try:
         ms["eager"] = {n: 1e3 * t for n, t in base.pass_seconds(rows).items()}
+    finally:
         base.compiled = compiled
-        saved = {"ms": ms, "compiled_pays": sum(ms["compiled"].values()) < sum(ms["eager"].values())}
-        _save(path, saved)
-        log("compiled vs eager, ms per forward over " + "/".join(map(str, rows)) + " rows: "
-            + "/".join(f"{ms['compiled'][n]:.0f}" for n in rows) + " vs "
-            + "/".join(f"{ms['eager'][n]:.0f}" for n in rows))  # fmt: skip
-    if not saved["compiled_pays"]:  # only "on" gets here then
-        log("note: compiled forwards measured slower than eager here; kept because --compile on")
-    return True
+    return {"ms": ms, "compiled_pays": sum(ms["compiled"].values()) < sum(ms["eager"].values())}
+
+
+def _first_line(e: Exception) -> str:
+    return str(e).splitlines()[0] if str(e) else ""
 
 
 def faster_draft_dtype(model, candidate: torch.dtype = torch.bfloat16, log=None) -> torch.dtype:

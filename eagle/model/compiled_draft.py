@@ -1,0 +1,71 @@
+"""The draft head's step compiled: a head forward over m rows plus the log-probabilities of what each row predicts
+(`draft.HeadStep`), one inductor graph per bucket of rows, with the machinery of the base's graphs (compiled.py:
+weights frozen, inductor's C++ GEMMs, rows static and the context symbolic).
+
+Buckets 1, 2, 4, 8 cover what a dynamic tree drafts: its width (top_k) per level and the 1 to depth + 1 tokens a
+round commits. EAGLE-3 commits fuse the base features eagerly first (`DraftHead.fuse`, one matmul), so commits and
+expansions share the graphs. A step with fewer rows than its bucket is padded like the base's (pads see the prefix
+and themselves, no real row sees a pad; their outputs are dropped and their cache rows, written after the real ones,
+are overwritten before anything reads them). More rows than the largest bucket (a prompt's commit) run eagerly.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from .base import additive_mask
+from .compiled import BucketGraphs, fresh, pad_rows, static_rows, use_project_inductor_cache
+
+DRAFT_BUCKETS = (1, 2, 4, 8)
+
+
+class CompiledDraft:
+    """`HeadStep` compiled per bucket; `run` pads, calls the graph and drops the pads."""
+
+    def __init__(self, step, buckets=DRAFT_BUCKETS):
+        if step.head.fc.weight.device.type != "cpu":
+            raise ValueError("compiled drafting is built for CPU (inductor) only; on CUDA use compile='off'")
+        use_project_inductor_cache()
+        self.step = step
+        self.graphs = BucketGraphs(step, buckets)
+        self.buckets = self.graphs.buckets
+
+    def bucket(self, rows: int) -> int | None:
+        return self.graphs.bucket(rows)
+
+    def run(
+        self,
+        hidden: torch.Tensor,  # [1, q, H] the head's width (EAGLE-3 features fused already)
+        input_ids: torch.Tensor,  # [1, q]
+        position_ids: torch.Tensor,  # [1, q]
+        mask: torch.Tensor,  # additive [1, 1, q, write_at + q]
+        cache,
+        write_at: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # out [q, H], log-probs [q, draft vocab] float32
+        q = input_ids.shape[1]
+        rows = self.bucket(q)
+        ids, positions, mask = pad_rows(input_ids, position_ids, mask, rows)
+        hidden = torch.cat([hidden, hidden[:, -1:].expand(1, rows - q, -1)], dim=1)  # [1, rows, H]
+        hidden, ids, positions, mask = map(fresh, (hidden, ids, positions, mask))
+        static_rows((hidden, 1), (hidden, 2), (ids, 1), (positions, 1), (mask, 2))
+        out, log_probs = self.graphs.call(rows, (hidden, ids, positions, mask, cache, write_at))
+        return out[:q], log_probs[:q]
+
+    def warm(self, log=None, context: int = 64) -> dict[int, float]:
+        """Compile every bucket now (a step over dummy rows after `context` cached ones); returns seconds per bucket."""
+        head = self.step.head
+        dtype, H = head.fc.weight.dtype, head.config.hidden_size
+        seconds = {}
+        with torch.inference_mode():  # the cache too: a tensor made outside it has other dispatch keys (a guard)
+            cache = head.new_cache(context + 2 * max(self.buckets))
+            for rows in self.buckets:
+                t0 = time.perf_counter()
+                allowed = torch.ones(rows, context + rows, dtype=torch.bool).tril(context)
+                self.run(torch.zeros(1, rows, H, dtype=dtype), torch.zeros(1, rows, dtype=torch.long),
+                         torch.arange(context, context + rows)[None], additive_mask(allowed, dtype), cache, context)  # fmt: skip
+                seconds[rows] = time.perf_counter() - t0
+                if log:
+                    log(f"compiled the {rows}-row draft step in {seconds[rows]:.1f} s (GEMMs: {self.graphs.gemms(rows)})")
+        return seconds
