@@ -45,6 +45,8 @@ class Engine:
         self._calls: queue.SimpleQueue | None = None  # set while serve_model_calls runs
         self._server_thread: threading.Thread | None = None
         self.compiling: threading.Thread | None = None  # `compile_in_background`'s thread, once started
+        self._install = None  # what puts the compiled rounds in use, once compiled (`finish_compiling`)
+        self._compile_log, self._describe = print, None
         # (tokens/s, where it came from): vanilla decoding timed at start-up, the speedup's reference until a
         # session measures its own (side-by-side tab, "time vanilla too", a reply with EAGLE off)
         self.baseline: tuple[float, str] | None = None
@@ -96,6 +98,7 @@ class Engine:
                 try:
                     call = self._calls.get(timeout=poll_s)  # a timeout keeps Ctrl-C responsive
                 except queue.Empty:
+                    self.finish_compiling(wait=False)  # compiled rounds come in between replies
                     continue
                 if call is None:
                     return
@@ -113,32 +116,46 @@ class Engine:
 
     def compile_in_background(self, mode: str, log=print, describe=None) -> threading.Thread:
         """Compile the rounds (eagle/model/tuner.py `compile_rounds`) on a thread of its own while replies are served
-        eagerly; the compiled graphs are put in use between two replies (the lock), then the tree is re-tuned for
-        them when it was tuned here, the vanilla baseline timed again, and `describe(model)` (a dict) merged into
-        `info`. Compiling runs no model call of the app's, so the page stays responsive; it shares the cores."""
+        eagerly; `finish_compiling` puts them in use once that thread has ended. `describe(model)` (a dict) is merged
+        into `info` then. Compiling runs no model call of the app's, so the page stays responsive (it shares the
+        cores)."""
         from eagle.model.tuner import compile_rounds
 
-        def swap(install) -> None:
-            with self._lock:  # no reply is being written: a cache is sized for the graphs in use when it is made
-                self._on_model_thread(install)
-                if self.model.acceptance is not None:
-                    self._on_model_thread(self.model.tune_tree, log)
-
         def run() -> None:
-            try:
-                compiled = compile_rounds(self.model, mode, log, swap)
+            try:  # swap: installing waits for the thread's end (its OpenMP threads slowed the 1-row step 19 -> 40 ms)
+                compile_rounds(self.model, mode, log, swap=lambda install: setattr(self, "_install", install))
             except Exception as e:  # noqa: BLE001 - the app keeps serving eagerly, saying why
                 log(f"compiling stopped ({type(e).__name__}: {e}); still decoding eagerly")
-                return
-            if describe is not None:
-                self.info.update(describe(self.model))
-            if compiled:
-                tps, _ = self.measure_baseline()
-                log(f"compiled rounds in use; vanilla decoding now {tps:.1f} tokens/s")
 
+        self._install, self._compile_log, self._describe = None, log, describe
         self.compiling = threading.Thread(target=run, name="compile-rounds", daemon=True)
         self.compiling.start()
         return self.compiling
+
+    def finish_compiling(self, wait: bool = True) -> bool | None:
+        """Put compiled rounds in use once their thread has ended, between two replies, on the model thread; then
+        re-tune the tree for them (when it was tuned here) and time the vanilla baseline again. `wait`: join the
+        thread and the running reply; else return None at once if either is still going (the serving loop polls).
+        Returns whether compiled rounds are in use, or None when there is nothing (yet) to put in use."""
+        if self.compiling is None or (self.compiling.is_alive() and not wait):
+            return None
+        self.compiling.join()
+        install, log = self._install, self._compile_log
+        if install is None or not self._lock.acquire(blocking=wait):
+            return None
+        try:  # no reply is being written: a cache is sized for the graphs in use when it is made
+            self._install = None
+            compiled = self._on_model_thread(install)
+            if compiled and self.model.acceptance is not None:
+                self._on_model_thread(self.model.tune_tree, log)
+        finally:
+            self._lock.release()
+        if self._describe is not None:
+            self.info.update(self._describe(self.model))
+        if compiled:
+            tps, _ = self.measure_baseline()
+            log(f"compiled rounds in use; vanilla decoding now {tps:.1f} tokens/s")
+        return compiled
 
     def warmup(self) -> None:
         """One short run of each decoder, so that the first timed reply does not pay one-off costs."""

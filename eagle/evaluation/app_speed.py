@@ -481,7 +481,7 @@ def main(argv: list[str] | None = None) -> dict:
         try:
             if engine.compiling is not None:  # the app's compiled rounds come in first: timed as a user gets them
                 log("waiting for the compiled rounds the app prepares in the background")
-                engine.compiling.join()
+                engine.finish_compiling()
             result.update(measure(engine, questions, args.max_new_tokens, log, args.warmup, update_every=every,
                                   retries=args.retries))  # fmt: skip
         except BaseException as e:  # noqa: BLE001 - re-raised on the main thread

@@ -209,16 +209,16 @@ def few_row_plan(model, log=None) -> dict[int, str]:
     return plan
 
 
-def compile_rounds(model, mode: str, log, swap=None) -> bool:
+def compile_rounds(model, mode: str, log, swap=None) -> bool | None:
     """Compiled base forwards (`compiled.py`) and draft steps (`compiled_draft.py`) for mode "on", or for "auto"
     where they measure faster than eager here (their forwards per bucket, timed once per machine + model, cached).
 
-    Compiling takes minutes; the graphs are built and warmed beside the eager model, then `swap(install)` puts them
-    in use at a moment when no generation runs (default: at once). `install` times them against eager the first
-    time on this machine and, for "auto", keeps eager if that is faster. Without `swap`, "auto" compiles only once
-    an earlier start measured it (a load is not made to wait minutes by default); with one (the app, serving
-    eagerly meanwhile), it compiles to measure. Failures stay eager with one line in `log`. Returns whether the
-    base's forwards are compiled in the end."""
+    Compiling takes minutes; the graphs are built and warmed beside the eager model, then `swap(install)` is called:
+    `install()` puts them in use (call it when no generation runs), times them against eager the first time on
+    this machine, keeps eager for "auto" if that is faster, and returns whether they are in use (default: at
+    once). Without `swap`, "auto" compiles only once an earlier start measured it (a load is not made to wait
+    minutes by default); with one (the app, serving eagerly meanwhile), it compiles to measure. Failures stay eager
+    with one line in `log`. Returns whether the base's forwards are compiled in the end, or what `swap` returns."""
     base = model.base
     if base.lm_head.weight.device.type != "cpu":
         if mode == "on":
@@ -250,9 +250,8 @@ def compile_rounds(model, mode: str, log, swap=None) -> bool:
     except Exception as e:  # noqa: BLE001 - as above: the draft steps stay eager
         draft = None
         log(f"compiling the draft steps failed ({type(e).__name__}: {_first_line(e)}); drafting eagerly")
-    kept = []
 
-    def install() -> None:
+    def install() -> bool:
         nonlocal saved
         base.compiled, model.compiled_draft = graphs, draft
         if saved is None:
@@ -267,12 +266,11 @@ def compile_rounds(model, mode: str, log, swap=None) -> bool:
                 base.decompile()
                 model.compiled_draft = None
                 log("compiled forwards measured slower than eager here: decoding eagerly")
-                return
+                return False
             log("note: compiled forwards measured slower than eager here; kept because --compile on")
-        kept.append(True)
+        return True
 
-    (swap or (lambda fn: fn()))(install)
-    return bool(kept)
+    return install() if swap is None else swap(install)
 
 
 def _compiled_vs_eager(base) -> dict:
