@@ -141,7 +141,12 @@ class Engine:
             return None
         self.compiling.join()
         install, log = self._install, self._compile_log
-        if install is None or not self._lock.acquire(blocking=wait):
+        if install is None:  # nothing compiled (failed, or "auto" measured eager faster before): say how it runs
+            if self._describe is not None:
+                self.info.update(self._describe(self.model))
+                self._describe = None
+            return None
+        if not self._lock.acquire(blocking=wait):
             return None
         try:  # no reply is being written: a cache is sized for the graphs in use when it is made
             self._install = None
