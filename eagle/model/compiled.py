@@ -101,7 +101,11 @@ class BucketGraphs:
     runs the bucket's graph and, where no CPP GEMM applies to one of its shapes, compiles it again with the next
     GEMM backends (`undo` first puts back any state the failed call changed)."""
 
-    def __init__(self, fn, buckets):
+    def __init__(self, fn, buckets, device: torch.device, what: str):
+        """device: where the weights are (inductor's C++ graphs are for CPU); what: named in the refusal."""
+        if device.type != "cpu":
+            raise ValueError(f"{what} are built for CPU (inductor) only; on CUDA use compile='off'")
+        use_project_inductor_cache()
         self.fn = fn
         self.buckets = tuple(sorted(buckets))
         self.backend: dict[int, int] = {}  # rows -> index into GEMM_BACKENDS
@@ -172,11 +176,8 @@ class CompiledDecode:
     """`BaseModel.decode` compiled for each bucket; `run` pads, calls the graph and drops the pads."""
 
     def __init__(self, base, buckets=BUCKETS):
-        if base.lm_head.weight.device.type != "cpu":
-            raise ValueError("compiled rounds are built for CPU (inductor) only; on CUDA use compile='off'")
-        use_project_inductor_cache()
         self.base = base
-        self.graphs = BucketGraphs(base.decode, buckets)
+        self.graphs = BucketGraphs(base.decode, buckets, base.lm_head.weight.device, "compiled rounds")
         self.buckets = self.graphs.buckets
 
     def bucket(self, rows: int) -> int | None:

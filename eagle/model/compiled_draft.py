@@ -16,7 +16,7 @@ import time
 import torch
 
 from .base import additive_mask
-from .compiled import BucketGraphs, fresh, pad_rows, static_rows, use_project_inductor_cache
+from .compiled import BucketGraphs, fresh, pad_rows, static_rows
 
 DRAFT_BUCKETS = (1, 2, 4, 8)
 
@@ -25,11 +25,8 @@ class CompiledDraft:
     """`HeadStep` compiled per bucket; `run` pads, calls the graph and drops the pads."""
 
     def __init__(self, step, buckets=DRAFT_BUCKETS):
-        if step.head.fc.weight.device.type != "cpu":
-            raise ValueError("compiled drafting is built for CPU (inductor) only; on CUDA use compile='off'")
-        use_project_inductor_cache()
         self.step = step
-        self.graphs = BucketGraphs(step, buckets)
+        self.graphs = BucketGraphs(step, buckets, step.head.fc.weight.device, "compiled draft steps")
         self.buckets = self.graphs.buckets
 
     def bucket(self, rows: int) -> int | None:
