@@ -137,10 +137,13 @@ def test_inductor_cache_goes_to_the_project_cache_unless_the_user_chose_one(monk
     assert default_cache_dir() != str(tmp_path / "mine")
 
 
-def test_compiled_graphs_freeze_the_weights_of_the_few_row_layers(folder):
-    """The graphs run on weights frozen into them (prepacked GEMMs), never plain matmuls over weight inputs: the
-    few-row layers go back to nn.Linear while compiled (dynamo lifts a custom module's weights as inputs), and
-    come back with their plan when compiling is undone."""
+def test_compiled_graphs_freeze_the_weights_and_go_to_the_disk_cache(folder):
+    """The graphs run on weights frozen into them, never matmuls over weight inputs: the few-row layers go back to
+    nn.Linear while compiled (dynamo lifts a custom module's weights as inputs), and come back with their plan
+    when compiling is undone. Inductor's graph cache keeps the frozen graphs (no MKL-packed weight, an mkldnn
+    tensor it cannot store, is left in them), so a later start loads them instead of lowering them again."""
+    from torch._dynamo.utils import counters
+
     from eagle.model import few_rows
 
     _, model = folder
@@ -149,7 +152,10 @@ def test_compiled_graphs_freeze_the_weights_of_the_few_row_layers(folder):
     base.compiled = base.compile(buckets=(1,))
     assert few_rows.plan_of(model) is None
     try:
+        counters.clear()
         base.compiled.warm()
+        cached = counters["inductor"]
+        assert cached["fxgraph_cache_bypass"] == 0 and cached["fxgraph_cache_miss"] + cached["fxgraph_cache_hit"] >= 1
         cache = base.new_cache(16)
         with torch.inference_mode():
             base.forward(torch.tensor([[1, 2, 3]]), torch.arange(3)[None], cache, last_logits_only=True)
@@ -161,3 +167,59 @@ def test_compiled_graphs_freeze_the_weights_of_the_few_row_layers(folder):
         base.decompile()
     assert few_rows.plan_of(model) == few_rows.uniform_plan("wxt")
     few_rows.uninstall(model)
+
+
+def test_the_disk_cache_serves_a_graph_only_to_the_model_it_was_compiled_for(monkeypatch, tmp_path):
+    """Inductor keys a frozen graph's cache entry on its weights' shapes, yet the entry holds the CPP GEMMs' packed
+    copy of them: a model of the same shapes with other weights must compile its own (the weights' fingerprint is
+    in the key), and the same weights load the entry instead of compiling it again."""
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    ids = torch.tensor([[3, 1, 4, 1, 5, 9]])
+    for seed, cached in ((0, "miss"), (1, "miss"), (0, "hit")):
+        base = BaseModel(tiny_base("llama", seed=seed, layers=1), eagle3=False, few_row_plan=False)
+        with torch.inference_mode():
+            cache = base.new_cache(16)
+            base.forward(ids[:, :5], torch.arange(5)[None], cache, last_logits_only=True)
+            eager, _ = base.forward(ids[:, 5:], torch.tensor([[5]]), cache, features=False)
+            counters.clear()
+            base.compiled = base.compile(buckets=(1,))
+            base.compiled.warm()
+            assert counters["inductor"][f"fxgraph_cache_{cached}"] == 1, (seed, dict(counters["inductor"]))
+            assert counters["inductor"]["cpp_templated_kernel_counter"] > 0  # the packed weights are in the entry
+            cache = base.new_cache(16)
+            base.forward(ids[:, :5], torch.arange(5)[None], cache, last_logits_only=True)
+            compiled_logits, _ = base.forward(ids[:, 5:], torch.tensor([[5]]), cache, features=False)
+        torch.testing.assert_close(compiled_logits, eager, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow  # two draft graphs, ~40 s
+def test_compiled_drafts_in_both_dtypes_and_the_faster_one_is_kept(folder, monkeypatch, tmp_path):
+    """A bfloat16 head under a float32 base (eager timing's pick) is compiled in both dtypes; the one whose compiled
+    draft phase for the tree in use measures faster becomes the model's head, and the timing is cached."""
+    path, base = folder
+    monkeypatch.setenv("EAGLE_CACHE", str(tmp_path))
+    monkeypatch.setattr(compiled_draft, "DRAFT_BUCKETS", (4,))
+    draft = random_draft(base, str(path / "draft_dtypes"), eagle3=True, draft_vocab=12)
+    model = EaModel.from_pretrained(str(path / "base"), draft, dtype=torch.float32, draft_dtype=torch.bfloat16)
+    lines = []
+    drafts = tuner._compiled_drafts(model, lines.append)
+    assert [h.fc.weight.dtype for h, _ in drafts] == [torch.bfloat16, torch.float32]
+    assert drafts[0][0] is model.ea_layer and all(isinstance(g, CompiledDraft) for _, g in drafts)
+    timed = {torch.bfloat16: 2.0, torch.float32: 1.0}  # float32 drafts faster here (as on an AMD EPYC)
+    monkeypatch.setattr(tuner, "draft_seconds", lambda m, d, k, repeats, head_and_graphs: {
+        (d[0], k[0]): timed[head_and_graphs[0].fc.weight.dtype]})  # fmt: skip
+    where = tmp_path / "draft-timing.json"
+    head, graphs = tuner._faster_draft(model, drafts, (2, 1), where, lines.append)
+    assert head.fc.weight.dtype == torch.float32 and graphs is drafts[1][1]
+    assert lines[-1] == "compiled draft phase (depth 2, width 1): 2000.0 ms in bfloat16, 1000.0 ms in float32"
+    timed = {torch.bfloat16: 1.0, torch.float32: 2.0}  # cached: not timed again
+    assert tuner._faster_draft(model, drafts, (2, 1), where, lines.append)[0].fc.weight.dtype == torch.float32
+    # the kept head drafts with its graphs as it does eagerly: the same tokens in the same rounds
+    runs = []
+    for graphs_in_use in (None, graphs):
+        model.ea_layer, model.compiled_draft = head, graphs_in_use
+        ids, new, rounds = model.eagenerate(torch.tensor([[3, 4, 5, 6]]), max_new_tokens=24, log=True)
+        runs.append((ids.tolist(), new, rounds))
+    assert runs[0] == runs[1] and runs[0][2] < 24  # drafts were accepted

@@ -178,3 +178,30 @@ def test_few_row_kernels_auto_takes_the_fastest_kernel_per_row_count_as_timed_he
     assert slow.eagenerate(ids, max_new_tokens=16, stop_token_ids=[]).tolist() == ref.tolist()
     assert plan(EaModel.from_pretrained(*folders, dtype=torch.float32)) == few_rows.DEFAULT_PLAN  # True: the default
     assert plan(EaModel.from_pretrained(*folders, few_row_kernels=False, dtype=torch.float32)) is None
+
+
+def test_with_heads_of_two_dtypes_the_tuner_picks_tree_and_dtype_together(folders, monkeypatch):
+    """Where compiling left the head in two dtypes (`draft_options`), each dtype's measured costs give its best tree;
+    the faster pair is kept and its head put in use."""
+    import copy
+
+    model = EaModel.from_pretrained(*folders, dtype=torch.float32)
+    fp32 = model.ea_layer
+    bf16 = copy.deepcopy(fp32).to(torch.bfloat16)
+    model.draft_options = [(bf16, None), (fp32, None)]
+    accept = [[0.6, 0.2], [0.5, 0.2], [0.4, 0.2]]
+    verify = {4: 0.020, 8: 0.030}
+    level_s = {torch.bfloat16: 0.002, torch.float32: 0.004}
+
+    def costs(dtype, depth_max):
+        return {(d, k): level_s[dtype] * d * k for d in range(1, depth_max + 1) for k in (1, 2)}
+
+    monkeypatch.setattr(tuner, "measured_costs", lambda m, depth_max, log: (
+        verify, costs(m.ea_layer.fc.weight.dtype, depth_max)))  # fmt: skip
+    choice = tuner.tune(model, accept)
+    best = pick_tree(accept, verify, costs(torch.bfloat16, 3))
+    assert choice.draft_dtype == "bfloat16" and model.ea_layer is bf16
+    assert (choice.total_token, choice.depth, choice.top_k, choice.tokens_per_s) == (
+        best.total_token, best.depth, best.top_k, best.tokens_per_s)  # fmt: skip
+    level_s[torch.float32] = 0.001  # now float32 drafts faster
+    assert tuner.tune(model, accept).draft_dtype == "float32" and model.ea_layer is fp32

@@ -182,18 +182,22 @@ class LoadedModel:
     dtype: str
     device: str
     seconds: float
-    draft_dtype: str = ""  # the head's dtype when it differs from the base's
+
+    @property
+    def draft_dtype(self) -> str:
+        """The head's dtype now (compiling may change it: tuner.compile_rounds keeps the faster compiled draft)."""
+        return str(self.model.ea_layer.fc.weight.dtype).replace("torch.", "")
 
     @property
     def dtypes(self) -> str:
         """"float32", or "float32 (head bfloat16)" when the head runs in another dtype."""
-        return f"{self.dtype} (head {self.draft_dtype})" if self.draft_dtype else self.dtype
+        return self.dtype if self.draft_dtype == self.dtype else f"{self.dtype} (head {self.draft_dtype})"
 
     def describe(self) -> dict:
         """The model in a benchmark report."""
         return {
             "type": self.mtype.name, "base": self.base_name, "head": self.head_name, "dtype": self.dtype,
-            "draft_dtype": self.draft_dtype or self.dtype, "eagle3": bool(self.model.use_eagle3),
+            "draft_dtype": self.draft_dtype, "eagle3": bool(self.model.use_eagle3),
             "template": self.mtype.template,
             "tree_choice": asdict(c) if (c := self.model.tree_choice) is not None else None,
             "forwards": forwards_description(self.model),
@@ -206,6 +210,8 @@ def forwards_description(model) -> str:
 
     compiled = model.base.compiled
     text = f"compiled (inductor; {'/'.join(map(str, compiled.buckets))}-row graphs)" if compiled else "eager"
+    if model.compiled_draft is not None:
+        text += f"; draft steps compiled in {str(model.ea_layer.fc.weight.dtype).replace('torch.', '')}"
     plan = few_rows.plan_of(model.base_model)
     if plan:
         kernels = {}
@@ -221,7 +227,8 @@ def tree_description(model) -> str:
     t, c = model.tree, model.tree_choice
     text = f"total_token={t.total_token}, depth={t.depth}, top_k={t.top_k}"
     if c is not None:
-        text += f" (tuned on this machine: predicted {c.tokens_per_s:.1f} tokens/s, {c.tau:.2f} tokens per forward)"
+        text += f" (tuned on this machine: predicted {c.tokens_per_s:.1f} tokens/s, {c.tau:.2f} tokens per forward"
+        text += f", draft head in {c.draft_dtype})" if c.draft_dtype else ")"
     return text
 
 
@@ -293,6 +300,4 @@ def load(
     head_dtype_name = str(head_dtype).replace("torch.", "") if head_dtype is not torch_dtype else ""
     log(f"      loaded in {seconds:.1f} s ({kind} head{' in ' + head_dtype_name if head_dtype_name else ''}, "
         f"tree: {tree_description(model)})")  # fmt: skip
-    return LoadedModel(
-        model, mtype, base, head, str(base_name), str(head_name), dtype_name, device, seconds, head_dtype_name
-    )
+    return LoadedModel(model, mtype, base, head, str(base_name), str(head_name), dtype_name, device, seconds)

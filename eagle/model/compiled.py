@@ -22,10 +22,14 @@ times the candidates on a weight already in cache, which picks MKL for 8-16 rows
 is slower (16 rows of the default model: 86 ms a forward with MKL allowed, 63 without).
 The frozen graphs hold their own packed copy of the weights (the default model: +538 MB).
 
-Compiled artefacts are cached on disk under `cache_dir()/inductor` (TORCHINDUCTOR_CACHE_DIR if set), but inductor's
-graph cache skips these graphs ("mkldnn tensors unpickleable": the CPP GEMMs need inductor's weight prepacking,
-which leaves mkldnn tensors in the frozen graph), so each start compiles again: about 2.5-3 minutes a bucket on a
-2-core AMD EPYC (C++ builds are reused); the app therefore compiles beside the eager model and swaps the graphs in
+Compiled artefacts are cached on disk under `cache_dir()/inductor` (TORCHINDUCTOR_CACHE_DIR if set): inductor's
+graph cache keeps each bucket's lowered graph, C++ library and packed weights (~0.5 GB a base bucket of the
+default model), so a later start skips lowering, autotuning and the C++ build and only traces again (dynamo and
+AOT): on a 2-core AMD EPYC, the default model's three base buckets and four draft buckets took 535 s the first time
+and 224 s the next. That needs `freeze_without_mkl_packing` (MKL's packed weights, which the CPP GEMMs ignore, are
+mkldnn tensors, and a graph holding one is never cached), and each entry is keyed on the weights themselves
+(`weights_fingerprint`): inductor's key covers only their shapes, and a model of the same shapes loaded another's
+packed weights. Compiling still takes minutes, so the app compiles beside the eager model and swaps the graphs in
 when they are ready (`tuner.compile_rounds`, `app.engine.Engine.compile_in_background`). Three buckets because
 16 rows are FLOP-bound on such a machine (1 / 4 / 8 / 16 rows: 23 / 24 / 36 / 63 ms there before the C++
 wrapper): the tuner's trees stay within 8 nodes, and a larger tree verifies eagerly.
@@ -35,6 +39,8 @@ only and refuses CUDA with a message).
 
 from __future__ import annotations
 
+import hashlib
+import itertools
 import os
 import time
 
@@ -67,6 +73,27 @@ def use_project_inductor_cache() -> str:
     return chosen
 
 
+def freeze_without_mkl_packing() -> None:
+    """Register inductor's freezing passes without the one that packs float32 linear weights for MKL.
+
+    Freezing packs every float32 linear weight for MKL's GEMM; where the CPP GEMM template is chosen, it packs the
+    original weight its own way and MKL's copy goes unused, but it stays in the graph as an mkldnn tensor, and inductor's
+    graph cache skips any graph holding one ("mkldnn tensors unpickleable"), so every start compiled from scratch.
+    The passes are registered once per process, when the first graph freezes, and the packing ones only if oneDNN
+    is enabled then: registering them now with it off leaves that pass out for the process (no effect if a graph
+    has already frozen). Measured on an AMD EPYC (2 threads): the 1-row step the same (21.6-24 ms against 25 ms
+    packed, one run each), the second compile of it 185 -> 55 s. GEMMs that fall back to ATen (GEMM_BACKENDS) run
+    on the unpacked weight."""
+    from torch._inductor.fx_passes import freezing_patterns
+
+    enabled = torch.backends.mkldnn.enabled
+    torch.backends.mkldnn.enabled = False
+    try:
+        freezing_patterns.lazy_init()
+    finally:
+        torch.backends.mkldnn.enabled = enabled
+
+
 def bucket_for(rows: int, buckets=BUCKETS) -> int | None:
     return next((b for b in buckets if b >= rows), None)
 
@@ -96,16 +123,33 @@ def pad_rows(
     return ids, positions, full
 
 
+def weights_fingerprint(*modules: torch.nn.Module) -> str:
+    """A hash of the modules' parameters and buffers (names, dtypes, bytes): ~0.5 s for the default model's 538 MB.
+
+    Inductor keys a frozen graph's cache entry on its weights' shapes only, yet the entry holds the CPP GEMMs'
+    packed copies of them: another model of the same shapes would load the first one's weights. The fingerprint,
+    made part of every key (`torch.compiler.config.cache_key_tag`), keeps each model's graphs apart."""
+    digest = hashlib.blake2b(digest_size=16)
+    for module in modules:
+        for name, t in itertools.chain(module.named_parameters(), module.named_buffers()):
+            digest.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
+            digest.update(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy())
+    return digest.hexdigest()
+
+
 class BucketGraphs:
     """`fn` compiled once per bucket of rows: the rows static in each graph, every other size symbolic. `call`
     runs the bucket's graph and, where no CPP GEMM applies to one of its shapes, compiles it again with the next
     GEMM backends (`undo` first puts back any state the failed call changed)."""
 
-    def __init__(self, fn, buckets, device: torch.device, what: str):
-        """device: where the weights are (inductor's C++ graphs are for CPU); what: named in the refusal."""
-        if device.type != "cpu":
+    def __init__(self, fn, buckets, weights: tuple[torch.nn.Module, ...], what: str):
+        """weights: the modules whose weights `fn` reads (frozen into the graphs; inductor's C++ graphs are for
+        CPU); what: named in the refusal."""
+        if any(t.device.type != "cpu" for module in weights for t in module.parameters()):
             raise ValueError(f"{what} are built for CPU (inductor) only; on CUDA use compile='off'")
         use_project_inductor_cache()
+        freeze_without_mkl_packing()
+        self.cache_key_tag = weights_fingerprint(*weights)
         self.fn = fn
         self.buckets = tuple(sorted(buckets))
         self.backend: dict[int, int] = {}  # rows -> index into GEMM_BACKENDS
@@ -122,11 +166,12 @@ class BucketGraphs:
         if rows not in self.graphs:
             options = {**OPTIONS, "max_autotune_gemm_backends": self.gemms(rows)}
             graph = torch.compile(self.fn, dynamic=True)
+            tag = self.cache_key_tag
 
             def call(*args):
                 # a config scope, not torch.compile's options=: freezing is decided while dynamo traces, before
                 # those options apply (with them the weights stayed graph inputs and the GEMMs plain MKL calls)
-                with torch._inductor.config.patch(options):
+                with torch._inductor.config.patch(options), torch.compiler.config.patch(cache_key_tag=tag):
                     return graph(*args)
 
             self.graphs[rows] = call
@@ -177,7 +222,7 @@ class CompiledDecode:
 
     def __init__(self, base, buckets=BUCKETS):
         self.base = base
-        self.graphs = BucketGraphs(base.decode, buckets, base.lm_head.weight.device, "compiled rounds")
+        self.graphs = BucketGraphs(base.decode, buckets, (base.model,), "compiled rounds")
         self.buckets = self.graphs.buckets
 
     def bucket(self, rows: int) -> int | None:

@@ -26,7 +26,7 @@ class CompiledDraft:
 
     def __init__(self, step, buckets=DRAFT_BUCKETS):
         self.step = step
-        self.graphs = BucketGraphs(step, buckets, step.head.fc.weight.device, "compiled draft steps")
+        self.graphs = BucketGraphs(step, buckets, (step.head, step.base_lm_head), "compiled draft steps")
         self.buckets = self.graphs.buckets
 
     def bucket(self, rows: int) -> int | None:
@@ -64,5 +64,6 @@ class CompiledDraft:
                          torch.arange(context, context + rows)[None], additive_mask(allowed, dtype), cache, context)  # fmt: skip
                 seconds[rows] = time.perf_counter() - t0
                 if log:
-                    log(f"compiled the {rows}-row draft step in {seconds[rows]:.1f} s (GEMMs: {self.graphs.gemms(rows)})")
+                    log(f"compiled the {rows}-row draft step ({str(dtype).replace('torch.', '')}) in {seconds[rows]:.1f} s "
+                        f"(GEMMs: {self.graphs.gemms(rows)})")  # fmt: skip
         return seconds

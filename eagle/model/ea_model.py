@@ -67,6 +67,9 @@ class EaModel(nn.Module):
         self.stop_token_ids = self._default_stop_ids()
         self.tree_choice: TreeChoice | None = None  # set when the tree was tuned on this machine (total_token=-1)
         self.compiled_draft = None  # the CompiledDraft in use (`compile_draft` builds one)
+        # (head, CompiledDraft) per dtype compiled (tuner.compile_rounds), which `tune_tree` picks among; None: the
+        # head in use only
+        self.draft_options: list[tuple] | None = None
         self.acceptance: list[list[float]] | None = None  # the head's acceptance profile, when the tree is tuned
 
     # ---------------------------------------------------------------------------------------------------------
@@ -135,14 +138,15 @@ class EaModel(nn.Module):
         self.tree_choice = c = tune(self, self.acceptance, log)
         self.tree = TreeSpec(c.total_token, c.depth, c.top_k, None)
 
-    def compile_draft(self, buckets=None):
+    def compile_draft(self, buckets=None, head=None):
         """The draft head's steps as compiled graphs (eagle/model/compiled_draft.py), compiled lazily or now with
-        their `warm()`; drafting runs them once they are set as `self.compiled_draft`. The head's dtype and weights
-        are frozen into the graphs: cast it first. Returns the `CompiledDraft`."""
+        their `warm()`; drafting runs them once they are set as `self.compiled_draft` (with `head` as
+        `self.ea_layer`). The head's dtype and weights are frozen into the graphs: cast it first. head: default
+        `self.ea_layer`. Returns the `CompiledDraft`."""
         from .compiled_draft import DRAFT_BUCKETS, CompiledDraft
         from .draft import HeadStep
 
-        return CompiledDraft(HeadStep(self.ea_layer, self.base.lm_head), buckets or DRAFT_BUCKETS)
+        return CompiledDraft(HeadStep(head or self.ea_layer, self.base.lm_head), buckets or DRAFT_BUCKETS)
 
     def get_tokenizer(self):
         return self.tokenizer
