@@ -77,8 +77,8 @@ def freeze_without_mkl_packing() -> None:
     """Register inductor's freezing passes without the one that packs float32 linear weights for MKL.
 
     Freezing packs every float32 linear weight for MKL's GEMM; where the CPP GEMM template is chosen, it packs the
-    original weight its own way and MKL's copy goes unused, but it stays in the graph as an mkldnn tensor, and inductor's
-    graph cache skips any graph holding one ("mkldnn tensors unpickleable"), so every start compiled from scratch.
+    original weight its own way and MKL's copy goes unused, but it stays in the graph as an mkldnn tensor, and
+    inductor's graph cache skips any graph holding one ("mkldnn tensors unpickleable"): every start compiled anew.
     The passes are registered once per process, when the first graph freezes, and the packing ones only if oneDNN
     is enabled then: registering them now with it off leaves that pass out for the process (no effect if a graph
     has already frozen). Measured on an AMD EPYC (2 threads): the 1-row step the same (21.6-24 ms against 25 ms
