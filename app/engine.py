@@ -141,22 +141,20 @@ class Engine:
             return None
         self.compiling.join()
         install, log = self._install, self._compile_log
-        if install is None:  # nothing compiled (failed, or "auto" measured eager faster before): say how it runs
-            if self._describe is not None:
-                self.info.update(self._describe(self.model))
-                self._describe = None
-            return None
-        if not self._lock.acquire(blocking=wait):
-            return None
-        try:  # no reply is being written: a cache is sized for the graphs in use when it is made
-            self._install = None
-            compiled = self._on_model_thread(install)
-            if compiled and self.model.acceptance is not None:
-                self._on_model_thread(self.model.tune_tree, log)
-        finally:
-            self._lock.release()
-        if self._describe is not None:
+        compiled = None  # nothing compiled (failed, or "auto" measured eager faster before)
+        if install is not None:
+            if not self._lock.acquire(blocking=wait):
+                return None
+            try:  # no reply is being written: a cache is sized for the graphs in use when it is made
+                self._install = None
+                compiled = self._on_model_thread(install)
+                if compiled and self.model.acceptance is not None:
+                    self._on_model_thread(self.model.tune_tree, log)
+            finally:
+                self._lock.release()
+        if self._describe is not None:  # the Model panel's lines, once: how the rounds run now
             self.info.update(self._describe(self.model))
+            self._describe = None
         if compiled:
             tps, _ = self.measure_baseline()
             log(f"compiled rounds in use; vanilla decoding now {tps:.1f} tokens/s")

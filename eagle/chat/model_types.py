@@ -186,7 +186,7 @@ class LoadedModel:
     @property
     def draft_dtype(self) -> str:
         """The head's dtype now (compiling may change it: tuner.compile_rounds keeps the faster compiled draft)."""
-        return str(self.model.ea_layer.fc.weight.dtype).replace("torch.", "")
+        return self.model.ea_layer.dtype_name
 
     @property
     def dtypes(self) -> str:
@@ -211,7 +211,7 @@ def forwards_description(model) -> str:
     compiled = model.base.compiled
     text = f"compiled (inductor; {'/'.join(map(str, compiled.buckets))}-row graphs)" if compiled else "eager"
     if model.compiled_draft is not None:
-        text += f"; draft steps compiled in {str(model.ea_layer.fc.weight.dtype).replace('torch.', '')}"
+        text += f"; draft steps compiled in {model.ea_layer.dtype_name}"
     plan = few_rows.plan_of(model.base_model)
     if plan:
         kernels = {}

@@ -64,7 +64,6 @@ class CompiledDraft:
                          torch.arange(context, context + rows)[None], additive_mask(allowed, dtype), cache, context)  # fmt: skip
                 seconds[rows] = time.perf_counter() - t0
                 if log:
-                    name = str(dtype).replace("torch.", "")
-                    log(f"compiled the {rows}-row draft step ({name}) in {seconds[rows]:.1f} s "
+                    log(f"compiled the {rows}-row draft step ({head.dtype_name}) in {seconds[rows]:.1f} s "
                         f"(GEMMs: {self.graphs.gemms(rows)})")  # fmt: skip
         return seconds

@@ -280,6 +280,11 @@ class DraftHead(nn.Module):
         return self.config.eagle3
 
     @property
+    def dtype_name(self) -> str:
+        """The weights' dtype as options and logs write it: "float32", "bfloat16"."""
+        return str(self.fc.weight.dtype).removeprefix("torch.")
+
+    @property
     def layer(self) -> DraftLayer:
         return self.midlayer if self.eagle3 else self.layers[0]
 

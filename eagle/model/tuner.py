@@ -299,7 +299,7 @@ def _compiled_drafts(model, log) -> list[tuple]:
             graphs.warm(log)
             drafts.append((head, graphs))
         except Exception as e:  # noqa: BLE001 - as for the base: this dtype's draft steps stay eager
-            log(f"compiling the {head.fc.weight.dtype} draft steps failed ({type(e).__name__}: {_first_line(e)})")
+            log(f"compiling the {head.dtype_name} draft steps failed ({type(e).__name__}: {_first_line(e)})")
     if not drafts:
         log("no compiled draft steps: drafting eagerly")
     return drafts
@@ -311,7 +311,7 @@ def _faster_draft(model, drafts: list[tuple], shape: tuple[int, int], path, log)
     7.8 ms and bfloat16 in 9.9, while at depth 3, width 4 bfloat16 was the faster (9.8 vs 12.0 ms)."""
     if len(drafts) == 1:
         return drafts[0]
-    names = [str(head.fc.weight.dtype).replace("torch.", "") for head, _ in drafts]
+    names = [head.dtype_name for head, _ in drafts]
     seconds = _load(path)
     if seconds is None or set(seconds) != set(names):
         seconds = {name: draft_seconds(model, [shape[0]], [shape[1]], repeats=9, head_and_graphs=d)[shape]
@@ -371,7 +371,7 @@ def tune(model, accept: list[list[float]], log=None) -> TreeChoice:
         model.ea_layer, model.compiled_draft = head, graphs  # the costs' cache key names the head's dtype
         verify, draft = measured_costs(model, len(accept), log)
         choice = pick_tree(accept, verify, {key: s for key, s in draft.items() if key[1] <= widest})
-        choice = replace(choice, draft_dtype=str(head.fc.weight.dtype).replace("torch.", ""))
+        choice = replace(choice, draft_dtype=head.dtype_name)
         if best is None or choice.tokens_per_s > best[0].tokens_per_s:
             best = (choice, head, graphs)
     model.ea_layer, model.compiled_draft = best[1], best[2]
