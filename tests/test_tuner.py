@@ -107,6 +107,29 @@ def test_cost_cache_key_changes_with_machine_model_and_head(folders, monkeypatch
     assert tuner._cache_key(model) != key  # the machine
 
 
+def test_verify_costs_are_measured_once_for_heads_of_two_dtypes_and_draft_costs_per_dtype(folders, monkeypatch):
+    """The base's pass does not depend on the head: its costs are keyed without it, so heads of two dtypes are
+    compared on the very same verify timings and the pass is timed once."""
+    import copy
+
+    model = EaModel.from_pretrained(*folders, dtype=torch.float32)
+    model.draft_options = [(model.ea_layer, None), (copy.deepcopy(model.ea_layer).to(torch.bfloat16), None)]
+    verify_calls, draft_dtypes = [], []
+    pass_seconds = model.base.pass_seconds
+    monkeypatch.setattr(model.base, "pass_seconds", lambda rows: verify_calls.append(1) or pass_seconds(rows))
+    monkeypatch.setattr(tuner, "draft_seconds", lambda m, depths, top_ks: draft_dtypes.append(m.ea_layer.dtype_name)
+                        or {(d, k): 1e-3 * d * k for d in depths for k in top_ks})  # fmt: skip
+    accept = [[0.6, 0.2], [0.5, 0.2], [0.4, 0.2]]
+    tuner.tune(model, accept)
+    assert verify_calls == [1] and draft_dtypes == ["float32", "bfloat16"]
+    tuner.tune(model, accept)  # everything from the cache now
+    assert verify_calls == [1] and len(draft_dtypes) == 2
+    verify_key, draft_key = tuner._cache_key(model, head=False), tuner._cache_key(model)
+    (fp32, _), (bf16, _) = model.draft_options
+    model.ea_layer = bf16 if model.ea_layer is fp32 else fp32  # the other head
+    assert tuner._cache_key(model, head=False) == verify_key and tuner._cache_key(model) != draft_key
+
+
 def test_draft_dtype_auto_keeps_the_faster_dtype_measured_here(folders, monkeypatch):
     timings = {torch.float32: 0.002, torch.bfloat16: 0.001}
     monkeypatch.setattr(tuner, "draft_seconds", lambda m, *a, **k: {(3, 4): timings[m.ea_layer.fc.weight.dtype]})

@@ -209,7 +209,7 @@ def forwards_description(model) -> str:
     from eagle.model import few_rows
 
     compiled = model.base.compiled
-    text = f"compiled (inductor; {'/'.join(map(str, compiled.buckets))}-row graphs)" if compiled else "eager"
+    text = f"compiled ({compiled.kind}; {'/'.join(map(str, compiled.buckets))}-row graphs)" if compiled else "eager"
     if model.compiled_draft is not None:
         text += f"; draft steps compiled in {model.ea_layer.dtype_name}"
     plan = few_rows.plan_of(model.base_model)

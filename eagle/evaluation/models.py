@@ -34,8 +34,9 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
                    "drafts faster on this machine (timed once, cached), else the base's")  # fmt: skip
     g.add_argument("--device-map", default=None, help="transformers device_map (default: 'auto' on GPU, CPU otherwise)")
     g.add_argument("--compile", choices=COMPILE_MODES, default="auto",
-                   help="compiled base forwards on CPU (eagle/model/compiled.py): on (minutes the first time, "
-                   "cached), off, or auto = on where a start with 'on' measured them faster (default)")  # fmt: skip
+                   help="compiled rounds (CPU: eagle/model/compiled.py; CUDA: cuda_graphs.py): on (minutes on a "
+                   "CPU the first time, cached), off, or auto = on where a start with 'on' measured them faster "
+                   "(default)")  # fmt: skip
 
 
 def pick_type(args) -> ModelType:

@@ -11,6 +11,8 @@ its `*ForCausalLM.forward` computes them; a base whose forward does something el
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import nn
 
@@ -112,10 +114,27 @@ class BaseModel:
         slack = max(self.compiled.buckets) if self.compiled is not None else 0  # a padded pass writes a bucket
         return TreeKVCache(self.num_layers, capacity + slack)
 
+    @contextlib.contextmanager
+    def leased_cache(self, capacity: int):
+        """A cache for one generation: the CUDA graphs' own where they are in use and it is free (cuda_graphs.py),
+        else a new one (then the passes run eagerly)."""
+        runner = self.compiled
+        cache = runner.lease(capacity) if hasattr(runner, "lease") else None
+        try:
+            yield self.new_cache(capacity) if cache is None else cache
+        finally:
+            if cache is not None:
+                runner.release(cache)
+
     def compile(self, buckets=None):
-        """Graphs of the vanilla step and verify passes (eagle/model/compiled.py), compiled lazily or now with their
-        `warm()`; `forward` runs them once they are set as `self.compiled` (between generations: a cache is sized
-        for the graphs in use when it is made). Returns the `CompiledDecode`."""
+        """Graphs of the vanilla step and verify passes, built lazily or now with their `warm()`: on CPU inductor's
+        (eagle/model/compiled.py), on CUDA CUDA graphs (cuda_graphs.py). `forward` runs them once they are set as
+        `self.compiled` (between generations: a cache is sized for the graphs in use when it is made). Returns the
+        `CompiledDecode` or `GraphedDecode`."""
+        if self.lm_head.weight.device.type == "cuda":
+            from .cuda_graphs import BUCKETS, GraphedDecode
+
+            return GraphedDecode(self, buckets or BUCKETS)
         from .compiled import BUCKETS, CompiledDecode
 
         # plain nn.Linear layers: dynamo lifts a custom module's weights as graph inputs, which inductor cannot
@@ -147,7 +166,8 @@ class BaseModel:
         q = input_ids.shape[1]
         with few_rows.few_row_kernels():
             # a cache of 0 or 1 rows would be a graph of its own (dynamo specialises those ints): eager
-            if self.compiled is None or last_logits_only or cache.length < 2 or self.compiled.bucket(q) is None:
+            compiled = self.compiled is not None and self.compiled.serves(cache)
+            if not compiled or last_logits_only or cache.length < 2 or self.compiled.bucket(q) is None:
                 return self.decode(input_ids, position_ids, mask, cache, features, last_logits_only)
             if mask is None:
                 causal = torch.ones(q, cache.length + q, dtype=torch.bool, device=self.input_device)
@@ -177,14 +197,14 @@ class BaseModel:
     def pass_seconds(self, rows: list[int], context: int = 256, repeats: int = 5) -> dict[int, float]:
         """Median wall time of a forward over n new tokens after `context` cached ones for each n in `rows`:
         a vanilla step for n = 1, a verify pass (features included) otherwise; a first untimed call warms up."""
-        cache = self.new_cache(context + max(rows))
         ids = torch.randint(0, self.vocab_size, (1, context + max(rows)))
-        self.forward(ids[:, :context], torch.arange(context)[None], cache, features=False, last_logits_only=True)
         out = {}
         device = self.lm_head.weight.device
-        for n in rows:
-            new, positions = ids[:, context : context + n], torch.arange(context, context + n)[None]
-            times = repeated_seconds(device, lambda: self.forward(new, positions, cache, features=n > 1), repeats,
-                                     after=lambda: cache.crop_to(context))  # fmt: skip
-            out[n] = times[repeats // 2]
+        with self.leased_cache(context + max(rows)) as cache:
+            self.forward(ids[:, :context], torch.arange(context)[None], cache, features=False, last_logits_only=True)
+            for n in rows:
+                new, positions = ids[:, context : context + n], torch.arange(context, context + n)[None]
+                times = repeated_seconds(device, lambda: self.forward(new, positions, cache, features=n > 1),
+                                         repeats, after=lambda: cache.crop_to(context))  # fmt: skip
+                out[n] = times[repeats // 2]
         return out

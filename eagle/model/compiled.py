@@ -33,8 +33,7 @@ packed weights. Compiling still takes minutes, so the app compiles beside the ea
 when they are ready (`tuner.compile_rounds`, `app.engine.Engine.compile_in_background`). Three buckets because
 16 rows are FLOP-bound on such a machine (1 / 4 / 8 / 16 rows: 23 / 24 / 36 / 63 ms there before the C++
 wrapper): the tuner's trees stay within 8 nodes, and a larger tree verifies eagerly.
-On CUDA the same graphs would want CUDA graphs over static buffers; that is not built yet (`compile` is CPU
-only and refuses CUDA with a message).
+On CUDA the rounds are CUDA graphs over static buffers instead (cuda_graphs.py; `BaseModel.compile` picks).
 """
 
 from __future__ import annotations
@@ -146,7 +145,7 @@ class BucketGraphs:
         """weights: the modules whose weights `fn` reads (frozen into the graphs; inductor's C++ graphs are for
         CPU); what: named in the refusal."""
         if any(t.device.type != "cpu" for module in weights for t in module.parameters()):
-            raise ValueError(f"{what} are built for CPU (inductor) only; on CUDA use compile='off'")
+            raise ValueError(f"{what} are built for CPU (inductor) only; on CUDA, cuda_graphs.py builds them")
         use_project_inductor_cache()
         freeze_without_mkl_packing()
         self.cache_key_tag = weights_fingerprint(*weights)
@@ -220,6 +219,8 @@ def fresh(t: torch.Tensor) -> torch.Tensor:
 class CompiledDecode:
     """`BaseModel.decode` compiled for each bucket; `run` pads, calls the graph and drops the pads."""
 
+    kind = "inductor"
+
     def __init__(self, base, buckets=BUCKETS):
         self.base = base
         self.graphs = BucketGraphs(base.decode, buckets, (base.model,), "compiled rounds")
@@ -227,6 +228,9 @@ class CompiledDecode:
 
     def bucket(self, rows: int) -> int | None:
         return self.graphs.bucket(rows)
+
+    def serves(self, cache) -> bool:
+        return True  # any cache: the context length is symbolic in the graphs
 
     def run(self, input_ids, position_ids, mask, cache, features: bool):
         """Like `BaseModel.decode` on q <= max bucket rows, with the cache left at length L + q."""

@@ -38,18 +38,30 @@ class HeadStep:
 
 
 class Drafter:
+    """The draft side of one generation; a context manager: leaving it gives back a leased cache."""
+
     def __init__(self, head: DraftHead, base_lm_head: nn.Module, capacity: int, compiled=None):
-        """compiled: a `CompiledDraft` of this head (its steps then run as graphs where a bucket fits)."""
+        """compiled: a `CompiledDraft` or `GraphedDraft` of this head (its steps then run as graphs where a bucket
+        fits; CUDA graphs on their own cache, leased here, or eagerly if it is taken)."""
         self.head = head
         self.step = HeadStep(head, base_lm_head)
-        self.compiled = compiled
+        self.leased = compiled.lease(capacity) if hasattr(compiled, "lease") else None
+        self.compiled = None if hasattr(compiled, "lease") and self.leased is None else compiled
         slack = max(compiled.buckets) if compiled is not None else 0  # a padded step writes a whole bucket
-        self.cache = head.new_cache(capacity + slack)
+        self.cache = self.leased if self.leased is not None else head.new_cache(capacity + slack)
         self.dtype = head.fc.weight.dtype
         self.device = head.fc.weight.device
         self.last: torch.Tensor | None = None  # [1, H] the head's output at the last committed position
         self.last_log_probs: torch.Tensor | None = None  # [1, draft vocab] what it predicts (the root's children)
         self._static: dict[tuple, tuple] = {}  # static-tree choices -> their shape on the device (_static_shape)
+
+    def __enter__(self) -> "Drafter":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.leased is not None:
+            self.compiled.release(self.leased)
+            self.leased = None
 
     def _compiled_fits(self, rows: int, write_at: int) -> bool:
         """Whether a compiled graph takes this step: a bucket holds the rows, and the cache already holds two or

@@ -175,8 +175,9 @@ class DraftAttention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, mask, cache: DraftKVCache, write_at: int) -> torch.Tensor:
-        # x: [1, q, in]; mask: additive float [1, 1, q, write_at + q]
+    def forward(self, x, cos, sin, mask, cache: DraftKVCache, write_at: int | torch.Tensor) -> torch.Tensor:
+        # x: [1, q, in]; mask: additive float [1, 1, q, write_at + q], or [1, 1, q, capacity] where write_at is the
+        # positions [q] to write (a captured step, cuda_graphs.py: attention over the whole cache)
         b, q, _ = x.shape
         qs = self.q_proj(x).view(b, q, self.heads, self.head_dim)
         ks = self.k_proj(x).view(b, q, self.kv_heads, self.head_dim)
@@ -185,10 +186,15 @@ class DraftAttention(nn.Module):
         qs, ks = qs.transpose(1, 2), ks.transpose(1, 2)
         vs = self.v_proj(x).view(b, q, self.kv_heads, self.head_dim).transpose(1, 2)
         qs, ks = apply_rotary_pos_emb(qs, ks, cos, sin)
-        end = write_at + q
-        cache.keys[:, :, write_at:end] = ks
-        cache.values[:, :, write_at:end] = vs
-        k_all, v_all = cache.keys[:, :, :end], cache.values[:, :, :end]
+        if isinstance(write_at, torch.Tensor):
+            cache.keys.index_copy_(2, write_at, ks)
+            cache.values.index_copy_(2, write_at, vs)
+            k_all, v_all = cache.keys, cache.values
+        else:
+            end = write_at + q
+            cache.keys[:, :, write_at:end] = ks
+            cache.values[:, :, write_at:end] = vs
+            k_all, v_all = cache.keys[:, :, :end], cache.values[:, :, :end]
         out = F.scaled_dot_product_attention(
             qs, k_all, v_all, attn_mask=mask, enable_gqa=self.kv_heads != self.heads
         )
@@ -305,9 +311,9 @@ class DraftHead(nn.Module):
         hidden: torch.Tensor,  # [1, q, feature_size] base features, or [1, q, H] the head's own outputs (EAGLE-3)
         input_ids: torch.Tensor,  # [1, q] the tokens one step ahead of the features
         position_ids: torch.Tensor,  # [1, q]
-        mask: torch.Tensor,  # additive float [1, 1, q, write_at + q]
+        mask: torch.Tensor,  # additive float [1, 1, q, write_at + q] (or the capacity: DraftAttention)
         cache: DraftKVCache,
-        write_at: int,
+        write_at: int | torch.Tensor,
     ) -> torch.Tensor:  # [1, q, H] predicted next features (EAGLE-3: pre-norm unless feed_back_normed)
         emb = self.embed(input_ids)
         hidden = hidden.to(self.fc.weight.dtype)

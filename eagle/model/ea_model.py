@@ -139,14 +139,20 @@ class EaModel(nn.Module):
         self.tree = TreeSpec(c.total_token, c.depth, c.top_k, None)
 
     def compile_draft(self, buckets=None, head=None):
-        """The draft head's steps as compiled graphs (eagle/model/compiled_draft.py), compiled lazily or now with
-        their `warm()`; drafting runs them once they are set as `self.compiled_draft` (with `head` as
-        `self.ea_layer`). The head's dtype and weights are frozen into the graphs: cast it first. head: default
-        `self.ea_layer`. Returns the `CompiledDraft`."""
-        from .compiled_draft import DRAFT_BUCKETS, CompiledDraft
+        """The draft head's steps as compiled graphs (eagle/model/compiled_draft.py; on CUDA, CUDA graphs:
+        cuda_graphs.py), compiled lazily or now with their `warm()`; drafting runs them once they are set as
+        `self.compiled_draft` (with `head` as `self.ea_layer`). The head's dtype and weights are frozen into the
+        graphs: cast it first. head: default `self.ea_layer`. Returns the `CompiledDraft` or `GraphedDraft`."""
         from .draft import HeadStep
 
-        return CompiledDraft(HeadStep(head or self.ea_layer, self.base.lm_head), buckets or DRAFT_BUCKETS)
+        step = HeadStep(head or self.ea_layer, self.base.lm_head)
+        if step.head.fc.weight.device.type == "cuda":
+            from .cuda_graphs import DRAFT_BUCKETS, GraphedDraft
+
+            return GraphedDraft(step, buckets or DRAFT_BUCKETS)
+        from .compiled_draft import DRAFT_BUCKETS, CompiledDraft
+
+        return CompiledDraft(step, buckets or DRAFT_BUCKETS)
 
     def get_tokenizer(self):
         return self.tokenizer
@@ -192,15 +198,15 @@ class EaModel(nn.Module):
         budget = Budget(input_ids.shape[1], max_new_tokens, max_length, stops)
         tree = tree or self.tree
         self._validate_tree(tree)
-        # Caches belong to this call (allocated once, sized for it; torch's allocator recycles the memory), so
-        # concurrent or abandoned streams never share state.
-        cache = self.base.new_cache(input_ids.shape[1] + budget.limit + tree.max_nodes + 1)
-        if not eagle:
-            yield from vanilla_rounds(self.base, input_ids, picker, budget, cache)
-            return
-        capacity = input_ids.shape[1] + budget.limit + tree.max_draft_entries + 1
-        drafter = Drafter(self.ea_layer, self.base.lm_head, capacity, self.compiled_draft)
-        yield from eagle_rounds(self.base, drafter, input_ids, picker, budget, tree, cache)
+        # Caches belong to this call (allocated once, sized for it, or the CUDA graphs' own, leased until the stream
+        # ends or is dropped), so concurrent or abandoned streams never share state.
+        with self.base.leased_cache(input_ids.shape[1] + budget.limit + tree.max_nodes + 1) as cache:
+            if not eagle:
+                yield from vanilla_rounds(self.base, input_ids, picker, budget, cache)
+                return
+            capacity = input_ids.shape[1] + budget.limit + tree.max_draft_entries + 1
+            with Drafter(self.ea_layer, self.base.lm_head, capacity, self.compiled_draft) as drafter:
+                yield from eagle_rounds(self.base, drafter, input_ids, picker, budget, tree, cache)
 
     def _generate(self, input_ids, eagle: bool, log: bool, **kw):
         input_ids = self._check_input(input_ids)

@@ -4,6 +4,11 @@ Each layer owns fixed buffers `keys`/`values` of shape [1, kv_heads, capacity, h
 positions are valid. `update` writes new states in place and returns views of the valid prefix, so a forward pass
 never concatenates (DynamicCache copies the whole cache on every step). After tree verification, `compact` moves
 the accepted tree rows into the contiguous prefix and rejected rows are simply overwritten by the next pass.
+
+For CUDA graphs (cuda_graphs.py) a cache must keep its addresses and every captured pass its shapes: a
+`TreeKVCache(..., static=True)` is owned by the graphs' runner, and while `write_positions` is set (a device tensor
+[q], the runner's static buffer) each layer writes its rows there and returns the whole buffers, the mask spanning
+the capacity (`widen`); the runner keeps the length. Otherwise it behaves as any TreeKVCache (eager passes).
 """
 
 from __future__ import annotations
@@ -77,12 +82,44 @@ class PreallocatedLayer(CacheLayerMixin):
         self.length = start + n
 
 
+class StaticLayer(PreallocatedLayer):
+    """A layer of a static cache: in a captured pass (the cache's `write_positions` set) rows go to those positions
+    and attention sees the whole buffers; the length, a host int, is the runner's to keep. Eager otherwise."""
+
+    def __init__(self, capacity: int, cache: "TreeKVCache"):
+        super().__init__(capacity)
+        self.cache = cache
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        super().lazy_initialization(key_states, value_states)
+        self.keys.zero_()  # a captured pass reads the whole buffers: garbage (NaN) under the mask would still
+        self.values.zero_()  # reach its output (0 * NaN)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        at = self.cache.write_positions  # [q] on the layer's device
+        if at is None or not self.is_initialized:
+            return super().update(key_states, value_states, *args, **kwargs)
+        self.keys.index_copy_(2, at, key_states)
+        self.values.index_copy_(2, at, value_states)
+        return self.keys, self.values
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return (self.capacity, 0) if self.cache.write_positions is not None else super().get_mask_sizes(query_length)
+
+
 class TreeKVCache(Cache):
     """A `Cache` of `PreallocatedLayer`s with one shared length; see the module docstring."""
 
-    def __init__(self, num_layers: int, capacity: int):
-        super().__init__(layers=[PreallocatedLayer(capacity) for _ in range(num_layers)])
+    def __init__(self, num_layers: int, capacity: int, static: bool = False):
+        """static: layers that captured passes write by position (`StaticLayer`), for CUDA graphs."""
+        layers = [StaticLayer(capacity, self) if static else PreallocatedLayer(capacity) for _ in range(num_layers)]
+        super().__init__(layers=layers)
         self.capacity = capacity
+        self.write_positions: torch.Tensor | None = None  # [q] set by the graphs' runner around a captured pass
+
+    def widen(self, mask: torch.Tensor) -> torch.Tensor:
+        """An additive mask [1, 1, q, length + q] -> [1, 1, q, capacity]: the positions beyond are masked out."""
+        return torch.nn.functional.pad(mask, (0, self.capacity - mask.shape[-1]), value=torch.finfo(mask.dtype).min)
 
     @property
     def length(self) -> int:

@@ -76,20 +76,20 @@ def draft_seconds(
     from .draft import Drafter
 
     head, graphs = head_and_graphs or (model.ea_layer, model.compiled_draft)
-    drafter = Drafter(head, model.base.lm_head, context + 2 + max(depths) * max(top_ks), graphs)
-    features = torch.randn(context + 2, head.config.feature_size, dtype=drafter.dtype)
-    tokens = torch.randint(0, model.vocab_size, (context + 2,)).tolist()
-    drafter.commit(features[:context], tokens[:context])
+    with Drafter(head, model.base.lm_head, context + 2 + max(depths) * max(top_ks), graphs) as drafter:
+        features = torch.randn(context + 2, head.config.feature_size, dtype=drafter.dtype, device=drafter.device)
+        tokens = torch.randint(0, model.vocab_size, (context + 2,)).tolist()
+        drafter.commit(features[:context], tokens[:context])
 
-    def phase(depth: int, k: int) -> None:
-        drafter.commit(features[context:], tokens[context:])
-        drafter.dynamic_tree(tokens[-1], 2 + depth * k, depth, k)
+        def phase(depth: int, k: int) -> None:
+            drafter.commit(features[context:], tokens[context:])
+            drafter.dynamic_tree(tokens[-1], 2 + depth * k, depth, k)
 
-    def forget() -> None:  # back to the committed context
-        drafter.cache.length = context
+        def forget() -> None:  # back to the committed context
+            drafter.cache.length = context
 
-    return {(d, k): repeated_seconds(drafter.device, lambda: phase(d, k), repeats, after=forget)[repeats // 2]
-            for d in depths for k in top_ks}  # fmt: skip
+        return {(d, k): repeated_seconds(drafter.device, lambda: phase(d, k), repeats, after=forget)[repeats // 2]
+                for d in depths for k in top_ks}  # fmt: skip
 
 
 def cpu_description() -> dict:
@@ -122,7 +122,8 @@ def compiled_options() -> str:
     return json.dumps({**compiled.OPTIONS, "gemm_backends": compiled.GEMM_BACKENDS, "code": code}, sort_keys=True)
 
 
-def _cache_key(model) -> str:
+def _cache_key(model, head: bool = True) -> str:
+    """The machine, the base and how its forwards run; with `head`, the draft head and how its steps run too."""
     from . import few_rows
 
     base = model.base_model
@@ -131,20 +132,23 @@ def _cache_key(model) -> str:
         "cpu": cpu_description(), "device": device, "threads": torch.get_num_threads(), "torch": torch.__version__,
         "gpu": torch.cuda.get_device_name() if device.startswith("cuda") else None,
         "base": getattr(base.config, "_name_or_path", ""), "base_config": base.config.to_json_string(),
-        "base_dtype": str(model.base.dtype), "head": str(model.ea_layer.config),
-        "head_dtype": str(model.ea_layer.fc.weight.dtype),
-        "few_row_plan": few_rows.plan_of(base),
+        "base_dtype": str(model.base.dtype), "few_row_plan": few_rows.plan_of(base),
         "compiled": model.base.compiled.buckets if model.base.compiled is not None else None,
-        "compiled_draft": model.compiled_draft.buckets if model.compiled_draft is not None else None,
-        "compile_options": compiled_options() if model.base.compiled or model.compiled_draft else None,
     }  # fmt: skip
+    if head:
+        what |= {
+            "head": str(model.ea_layer.config), "head_dtype": str(model.ea_layer.fc.weight.dtype),
+            "compiled_draft": model.compiled_draft.buckets if model.compiled_draft is not None else None,
+        }  # fmt: skip
+    compiled = model.base.compiled is not None or (head and model.compiled_draft is not None)
+    what["compile_options"] = compiled_options() if compiled else None
     return hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()[:20]
 
 
-def _cache_path(model, suffix: str = ""):
+def _cache_path(model, suffix: str = "", head: bool = True):
     from eagle.fetch import cache_dir
 
-    return cache_dir() / "tuner" / f"{_cache_key(model)}{suffix}.json"
+    return cache_dir() / "tuner" / f"{_cache_key(model, head)}{suffix}.json"
 
 
 def _load(path) -> dict | None:
@@ -160,22 +164,30 @@ def _save(path, data: dict) -> None:
 
 
 def measured_costs(model, depth_max: int, log=None) -> tuple[dict[int, float], dict[tuple[int, int], float]]:
-    """(verify seconds per size, draft seconds per (depth, top_k)), measured once per machine + model + head."""
-    path = _cache_path(model)
-    saved = _load(path)
+    """(verify seconds per size, draft seconds per (depth, top_k)), each measured once: the verify costs per
+    machine + base (whatever the head), the draft costs per machine + base + head (its dtype included)."""
+    verify_path, draft_path = _cache_path(model, "-verify", head=False), _cache_path(model, "-draft")
+    saved = _load(verify_path)
     if saved is not None:
-        if saved.get("depth_max", 0) >= depth_max:
-            verify = {int(n): s for n, s in saved["verify"].items()}
-            draft = {tuple(map(int, key.split(","))): s for key, s in saved["draft"].items()}
-            return verify, {key: s for key, s in draft.items() if key[0] <= depth_max}
-    t0 = time.perf_counter()
-    verify = model.base.pass_seconds(list(SIZES))
-    draft = draft_seconds(model, range(1, depth_max + 1), TOP_KS)
-    if log:
-        log(f"tree tuner: measured {len(verify)} verify sizes and {len(draft)} draft shapes in "
-            f"{time.perf_counter() - t0:.1f} s (cached in {path})")  # fmt: skip
-    _save(path, {"depth_max": depth_max, "verify": verify, "draft": {f"{d},{k}": s for (d, k), s in draft.items()}})
-    return verify, draft
+        verify = {int(n): s for n, s in saved["verify"].items()}
+    else:
+        t0 = time.perf_counter()
+        verify = model.base.pass_seconds(list(SIZES))
+        _save(verify_path, {"verify": verify})
+        if log:
+            log(f"tree tuner: measured {len(verify)} verify sizes in {time.perf_counter() - t0:.1f} s "
+                f"(cached in {verify_path})")  # fmt: skip
+    saved = _load(draft_path)
+    if saved is not None and saved["depth_max"] >= depth_max:
+        draft = {tuple(map(int, key.split(","))): s for key, s in saved["draft"].items()}
+    else:
+        t0 = time.perf_counter()
+        draft = draft_seconds(model, range(1, depth_max + 1), TOP_KS)
+        _save(draft_path, {"depth_max": depth_max, "draft": {f"{d},{k}": s for (d, k), s in draft.items()}})
+        if log:
+            log(f"tree tuner: measured {len(draft)} draft shapes ({model.ea_layer.dtype_name} head) in "
+                f"{time.perf_counter() - t0:.1f} s (cached in {draft_path})")  # fmt: skip
+    return verify, {key: s for key, s in draft.items() if key[0] <= depth_max}
 
 
 PLAN_ROWS = (1, 2, 4, 8, 16)  # row counts timed per kernel; a count in between takes the next one up's kernel
@@ -218,33 +230,36 @@ def few_row_plan(model, log=None) -> dict[int, str]:
 
 
 def compile_rounds(model, mode: str, log, swap=None) -> bool | None:
-    """Compiled base forwards (`compiled.py`) and draft steps (`compiled_draft.py`) for mode "on", or for "auto"
-    where they measure faster than eager here (their forwards per bucket, timed once per machine + model, cached).
+    """Compiled base forwards (`compiled.py`) and draft steps (`compiled_draft.py`), on CUDA CUDA graphs of them
+    (`cuda_graphs.py`), for mode "on", or for "auto" where they measure faster than eager here (their forwards per
+    bucket, timed once per machine + model, cached).
 
-    Compiling takes minutes; the graphs are built and warmed beside the eager model, then `swap(install)` is called:
-    `install()` puts them in use (call it when no generation runs), times them against eager the first time on
-    this machine, keeps eager for "auto" if that is faster, and returns whether they are in use (default: at
-    once). Without `swap`, "auto" compiles only once an earlier start measured it (a load is not made to wait
-    minutes by default); with one (the app, serving eagerly meanwhile), it compiles to measure. Failures stay eager
-    with one line in `log`. Returns whether the base's forwards are compiled in the end, or what `swap` returns."""
+    Compiling takes minutes on a CPU (capturing CUDA graphs, seconds); the graphs are built and warmed beside the
+    eager model, then `swap(install)` is called: `install()` puts them in use (call it when no generation runs),
+    times them against eager the first time on this machine, keeps eager for "auto" if that is faster, and returns
+    whether they are in use (default: at once). Without `swap`, "auto" on a CPU compiles only once an earlier start
+    measured it (a load is not made to wait minutes by default); with one (the app, serving eagerly meanwhile), it
+    compiles to measure. Failures stay eager with one line in `log`. Returns whether the base's forwards are
+    compiled in the end, or what `swap` returns."""
     base = model.base
-    if base.lm_head.weight.device.type != "cpu":
-        if mode == "on":
-            log("compiled rounds are built for CPU only (CUDA graphs are not done yet): decoding eagerly")
-        return False
-    from .compiled import BUCKETS
+    cuda = base.lm_head.weight.device.type == "cuda"
+    if cuda:
+        from .cuda_graphs import BUCKETS
+    else:
+        from .compiled import BUCKETS
 
     # keyed on the eager model, as it is before compiling, and on how it compiles (a change re-measures)
     how = hashlib.sha256(f"{compiled_options()}{BUCKETS}".encode()).hexdigest()[:8]
     path = _cache_path(model, f"-compiled-{how}")
     saved = _load(path)
-    if mode == "auto" and saved is None and swap is None:
+    if mode == "auto" and saved is None and swap is None and not cuda:
         log("compiled rounds: not measured on this machine yet (run once with --compile on, minutes the first "
             "time); decoding eagerly")  # fmt: skip
         return False
     if mode == "auto" and saved is not None and not saved["compiled_pays"]:
         return False
-    log("compiling the base's 1-row step and verify passes, then the draft steps (inductor)")
+    how_built = "CUDA graphs" if cuda else "inductor"
+    log(f"compiling the base's 1-row step and verify passes, then the draft steps ({how_built})")
     try:
         graphs = base.compile()
         graphs.warm(log)
@@ -363,12 +378,12 @@ def faster_draft_dtype(model, candidate: torch.dtype = torch.bfloat16, log=None)
 
 def tune(model, accept: list[list[float]], log=None) -> TreeChoice:
     """Measure (or read the cached) costs and pick the tree for `model` with acceptance profile `accept`; where
-    compiling left draft heads in two dtypes (`model.draft_options`), the tree and the dtype together: the pick's
-    head and graphs become the model's."""
+    compiling left draft heads in two dtypes (`model.draft_options`), the tree and the dtype together, on the same
+    verify costs: the pick's head and graphs become the model's."""
     widest = len(accept[0])
     best = None
     for head, graphs in model.draft_options or [(model.ea_layer, model.compiled_draft)]:
-        model.ea_layer, model.compiled_draft = head, graphs  # the costs' cache key names the head's dtype
+        model.ea_layer, model.compiled_draft = head, graphs  # the draft costs' cache key names the head's dtype
         verify, draft = measured_costs(model, len(accept), log)
         choice = pick_tree(accept, verify, {key: s for key, s in draft.items() if key[1] <= widest})
         choice = replace(choice, draft_dtype=head.dtype_name)

@@ -1,0 +1,221 @@
+"""CUDA graphs of the vanilla step, the tree verify pass and the draft head's steps: the GPU's compiled rounds.
+
+At batch size 1 a GPU forward is mostly kernel launches (a few hundred per base pass, each some microseconds of
+host time against microseconds of device work), so the graphs here capture each pass once per bucket of rows and
+replay it: one launch a pass. A graph holds the addresses it was captured with, so everything it reads and writes
+is static: the runner owns the KV cache (a static `TreeKVCache` for the base, a `DraftKVCache` for the head) and
+one buffer per input; a call copies its inputs into the buffers, replays, and returns copies of the outputs (the
+next replay overwrites them). Shapes are static too: the rows are the bucket's (a smaller tree is padded as on the
+CPU path, compiled.py: pads see the prefix and themselves and are dropped), the keys span the cache's whole capacity
+(positions past the length are masked out) and rows are written at positions held in a device buffer, so nothing
+depends on the context length and one graph serves a whole reply. The host reads the device once a round, in
+verification (verify.py); replays and the copies around them never wait for it.
+
+The runner's cache is leased to one generation at a time (`lease`/`release`); a generation that finds it taken,
+or needs more room, runs eagerly on a cache of its own. Prefill and trees wider than the largest bucket run eagerly
+on the leased cache. The kernels under the graph are transformers' eager ones (cuBLAS, SDPA).
+
+`capture=False` runs the same buffers, padding and masks without capturing (each call runs the function on the
+static buffers): how the tests check this path on a machine without CUDA.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+import time
+
+import torch
+
+from .base import additive_mask
+from .compiled import bucket_for, pad_rows
+from .kv_cache import TreeKVCache
+
+BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # base rows: the vanilla step, then trees up to 64 nodes (a GPU verifies flat)
+DRAFT_BUCKETS = (1, 2, 4, 8, 16, 32)  # draft rows: a level's width (top_k), a round's commit (depth + 1)
+CAPACITY = 4096  # positions in a runner's cache: prompt + reply + a tree, the app's max_length (2048) and more
+
+
+class GraphedSteps:
+    """One CUDA graph per key (a bucket of rows and its flags) of a function of static buffers, captured on the
+    key's first call."""
+
+    def __init__(self, device: torch.device, capture: bool):
+        self.device = device
+        self.capture = capture
+        self.buffers: dict[tuple, tuple[torch.Tensor, ...]] = {}  # key -> static inputs
+        self.outputs: dict[tuple, tuple] = {}  # key -> static outputs (captured)
+        self.graphs: dict[tuple, object] = {}  # key -> torch.cuda.CUDAGraph, or the function (capture=False)
+        self.pool = torch.cuda.graph_pool_handle() if capture else None  # one memory pool for all the graphs
+
+    def run(self, key: tuple, fn, inputs: tuple[torch.Tensor, ...]) -> tuple:
+        """fn(*buffers) with `inputs` copied into the key's buffers (made like the key's first inputs; fn is
+        captured then), through its graph; returns copies of the outputs."""
+        if key not in self.buffers:
+            self.buffers[key] = tuple(x.to(self.device, copy=True) for x in inputs)
+            self.graphs[key] = self._capture(key, fn) if self.capture else fn
+        for buffer, x in zip(self.buffers[key], inputs):
+            buffer.copy_(x, non_blocking=True)
+        if not self.capture:
+            return self.graphs[key](*self.buffers[key])
+        self.graphs[key].replay()
+        return tuple(None if out is None else out.clone() for out in self.outputs[key])
+
+    def _capture(self, key: tuple, fn):
+        buffers = self.buffers[key]
+        side = torch.cuda.Stream()  # warm-up off the capturing stream (lazy cuBLAS/SDPA set-up), as torch advises
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            fn(*buffers)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        # thread_local: the app captures on a thread of its own while the model thread serves replies eagerly
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+            self.outputs[key] = fn(*buffers)
+        return graph
+
+
+class LeasedCache:
+    """A runner's cache (`self.cache`, `self.capacity` positions of room), leased to one generation at a time."""
+
+    cache: object
+    capacity: int
+    _taken: threading.Lock
+
+    def lease(self, capacity: int):
+        """The cache, emptied, for a generation needing `capacity` positions; None if taken or too small."""
+        if capacity > self.capacity or not self._taken.acquire(blocking=False):
+            return None
+        self._empty()
+        return self.cache
+
+    def release(self, cache) -> None:
+        if cache is self.cache:
+            self._taken.release()
+
+    def _empty(self) -> None:
+        raise NotImplementedError
+
+
+class GraphedDecode(LeasedCache):
+    """`BaseModel.decode` as CUDA graphs per bucket over a static cache it owns; `run` as `CompiledDecode.run`."""
+
+    kind = "CUDA graphs"
+
+    def __init__(self, base, buckets=BUCKETS, capacity: int = CAPACITY, capture: bool | None = None):
+        device = base.lm_head.weight.device
+        if {p.device for p in base.model.parameters()} != {device}:
+            raise ValueError("CUDA graphs need the whole base on one device (device_map placed it on several)")
+        self.base = base
+        self.buckets = tuple(sorted(buckets))
+        self.cache = TreeKVCache(base.num_layers, capacity + max(self.buckets), static=True)  # + a padded pass
+        self.capacity, self._taken = capacity, threading.Lock()
+        self.steps = GraphedSteps(device, device.type == "cuda" if capture is None else capture)
+
+    def _empty(self) -> None:
+        self.cache.crop_to(0)
+
+    def _step(self, ids, positions, mask, write_positions, features: bool):
+        """The captured pass: ids, positions [1, rows], mask [1, 1, rows, capacity], write_positions [rows]."""
+        self.cache.write_positions = write_positions
+        try:
+            return self.base.decode(ids, positions, mask, self.cache, features, False)
+        finally:
+            self.cache.write_positions = None
+
+    def bucket(self, rows: int) -> int | None:
+        return bucket_for(rows, self.buckets)
+
+    def serves(self, cache) -> bool:
+        return cache is self.cache
+
+    def run(self, input_ids, position_ids, mask, cache, features: bool):
+        """Like `BaseModel.decode` on q <= max bucket rows, with the cache left at length L + q."""
+        q, length = input_ids.shape[1], cache.length
+        rows = self.bucket(q)
+        ids, positions, mask = pad_rows(input_ids, position_ids, mask, rows)
+        write = torch.arange(length, length + rows, device=mask.device)
+        step = functools.partial(self._step, features=features)
+        logits, feats = self.steps.run((rows, features), step, (ids, positions, cache.widen(mask), write))
+        cache.crop_to(length + q)
+        return logits[:q], None if feats is None else feats[:q]
+
+    def warm(self, log=None, context: int = 64) -> dict[int, float]:
+        """Capture every bucket now: the vanilla step without features, verify passes with. Seconds per bucket."""
+        seconds, context = {}, min(context, self.capacity)
+        with torch.inference_mode():
+            cache = self.lease(context)
+            try:
+                device = self.base.input_device
+                ids = torch.zeros(1, context + max(self.buckets), dtype=torch.long, device=device)
+                self.base.forward(ids[:, :context], torch.arange(context, device=device)[None], cache,
+                                  last_logits_only=True)  # fmt: skip
+                for rows in self.buckets:
+                    t0 = time.perf_counter()
+                    allowed = torch.ones(rows, context + rows, dtype=torch.bool, device=device).tril(context)
+                    positions = torch.arange(context, context + rows, device=device)[None]
+                    self.run(ids[:, :rows], positions, additive_mask(allowed, self.base.dtype), cache, rows > 1)
+                    cache.crop_to(context)
+                    seconds[rows] = time.perf_counter() - t0
+                    if log:
+                        log(f"captured the {rows}-row forward as a CUDA graph in {seconds[rows]:.1f} s")
+            finally:
+                self.release(cache)
+        return seconds
+
+
+class GraphedDraft(LeasedCache):
+    """`HeadStep` as CUDA graphs per bucket over a draft cache it owns; `run` as `CompiledDraft.run`."""
+
+    def __init__(self, step, buckets=DRAFT_BUCKETS, capacity: int = CAPACITY, capture: bool | None = None):
+        device = step.head.fc.weight.device
+        self.step = step
+        self.buckets = tuple(sorted(buckets))
+        self.cache = step.head.new_cache(capacity + max(self.buckets))
+        self.cache.keys.zero_()  # read whole by a captured step: no garbage (NaN) under the mask
+        self.cache.values.zero_()
+        self.capacity, self._taken = capacity, threading.Lock()
+        self.steps = GraphedSteps(device, device.type == "cuda" if capture is None else capture)
+
+    def _empty(self) -> None:
+        self.cache.length = 0
+
+    def _step(self, hidden, ids, positions, mask, write_positions):
+        return self.step(hidden, ids, positions, mask, self.cache, write_positions)
+
+    def bucket(self, rows: int) -> int | None:
+        return bucket_for(rows, self.buckets)
+
+    def run(self, hidden, input_ids, position_ids, mask, cache, write_at: int):
+        """hidden [1, q, H], ids and positions [1, q], mask [1, 1, q, write_at + q] -> out [q, H], log-probs
+        [q, draft vocab] float32; rows written at write_at.. (the caller keeps the cache's length)."""
+        q = input_ids.shape[1]
+        rows = self.bucket(q)
+        ids, positions, mask = pad_rows(input_ids, position_ids, mask, rows)
+        hidden = torch.cat([hidden, hidden[:, -1:].expand(1, rows - q, -1)], dim=1)  # [1, rows, H]
+        wide = torch.nn.functional.pad(mask, (0, cache.capacity - mask.shape[-1]), value=torch.finfo(mask.dtype).min)
+        write = torch.arange(write_at, write_at + rows, device=mask.device)
+        out, log_probs = self.steps.run((rows,), self._step, (hidden, ids, positions, wide, write))
+        return out[:q], log_probs[:q]
+
+    def warm(self, log=None, context: int = 64) -> dict[int, float]:
+        """Capture every bucket now (a step over dummy rows after `context` cached ones); seconds per bucket."""
+        head = self.step.head
+        dtype, H, device = head.fc.weight.dtype, head.config.hidden_size, head.fc.weight.device
+        seconds, context = {}, min(context, self.capacity)
+        with torch.inference_mode():
+            cache = self.lease(context)
+            try:
+                for rows in self.buckets:
+                    t0 = time.perf_counter()
+                    allowed = torch.ones(rows, context + rows, dtype=torch.bool, device=device).tril(context)
+                    self.run(torch.zeros(1, rows, H, dtype=dtype, device=device),
+                             torch.zeros(1, rows, dtype=torch.long, device=device),
+                             torch.arange(context, context + rows, device=device)[None],
+                             additive_mask(allowed, dtype), cache, context)  # fmt: skip
+                    seconds[rows] = time.perf_counter() - t0
+                    if log:
+                        log(f"captured the {rows}-row draft step as a CUDA graph in {seconds[rows]:.1f} s")
+            finally:
+                self.release(cache)
+        return seconds

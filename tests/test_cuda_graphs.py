@@ -1,0 +1,171 @@
+"""The CUDA-graph rounds (eagle/model/cuda_graphs.py) on CPU, everything but the capture: static buffers per bucket,
+pads, masks widened to the cache's capacity, rows written by position, the runner's caches leased to one
+generation at a time. Greedy output equals transformers' greedy `generate`, sampling follows the base's
+distribution; on CUDA (marked gpu) the same with the graphs captured, and one host read a round."""
+
+import pytest
+import torch
+from test_compiled_lossless import FITS, _assert_equal
+from test_host_syncs import HostReads
+from test_lossless_greedy import PROMPTS
+from test_lossless_sampling import assert_follows_base_distribution, make_model
+from tiny import random_draft, save_base, tiny_base
+
+from eagle.model.checkpoint import read_checkpoint
+from eagle.model.cuda_graphs import GraphedDecode, GraphedDraft
+from eagle.model.draft import HeadStep
+from eagle.model.ea_model import EaModel
+from eagle.model.generate import TreeSpec
+from eagle.model.verify import SamplingParams
+
+BASE_BUCKETS, DRAFT_BUCKETS = (1, 8), (4,)
+# nothing compiles on this path: every architecture and head format in seconds
+ARCHS = [("llama", False), ("llama", True), ("qwen2", False), ("qwen2", True), ("mixtral", False),
+         ("llama31", False), ("llama31", True)]  # fmt: skip
+
+
+def graph_now(model: EaModel, capture: bool = False, capacity: int = 512) -> EaModel:
+    """Build, warm and install the graphed rounds (what compile_rounds does on CUDA, without timing them)."""
+    model.base.compiled = GraphedDecode(model.base, BASE_BUCKETS, capacity, capture)
+    model.compiled_draft = GraphedDraft(HeadStep(model.ea_layer, model.base.lm_head), DRAFT_BUCKETS, capacity, capture)
+    model.base.compiled.warm()
+    model.compiled_draft.warm()
+    return model
+
+
+def replays_of(runner) -> dict[tuple, int]:
+    """Counts the calls of each key's function (capture=False) from now on."""
+    counts = {}
+    steps = runner.steps
+    original = steps.run
+
+    def counted(key, fn, inputs):
+        counts[key] = counts.get(key, 0) + 1
+        return original(key, fn, inputs)
+
+    steps.run = counted
+    return counts
+
+
+@pytest.mark.parametrize("arch, eagle3", ARCHS)
+def test_graphed_greedy_eagle_and_vanilla_equal_hf_generate(tmp_path, arch, eagle3):
+    base = tiny_base(arch)
+    save_base(base, str(tmp_path / "base"))
+    draft = random_draft(base, str(tmp_path / "draft"), eagle3=eagle3, draft_vocab=12 if eagle3 else None)
+    model = graph_now(EaModel.from_pretrained(str(tmp_path / "base"), draft, dtype=torch.float32))
+    verify, drafts = replays_of(model.base.compiled), replays_of(model.compiled_draft)
+    new_tokens = forwards = 0
+    for name, tree in {"fits": FITS, "static": TreeSpec(choices=((0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0))),
+                       "default": None}.items():  # fmt: skip
+        model.tree = tree or TreeSpec()
+        n, f = _assert_equal(model, base, name)
+        new_tokens, forwards = new_tokens + n, forwards + f
+    assert new_tokens / forwards > 1.05, "no drafted token was accepted: the trees were not exercised"
+    assert verify[(8, True)] > 20 and drafts[(4,)] > 20  # the static buffers did the work
+    ids = torch.tensor([PROMPTS[1]])
+    ref = base.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=32,
+                        min_new_tokens=32, eos_token_id=None, pad_token_id=0)  # fmt: skip
+    assert model.naivegenerate(ids, max_new_tokens=32, stop_token_ids=[]).tolist() == ref.tolist()
+    assert verify[(1, False)] >= 31
+
+
+def test_graphed_sampling_follows_the_base_distribution(tmp_path):
+    base = tiny_base("llama", vocab=8, seed=5)
+    with torch.no_grad():  # flatter logits, as test_lossless_sampling
+        base.get_output_embeddings().weight.mul_(0.3)
+    model = make_model((base, read_checkpoint(random_draft(base, str(tmp_path / "d"), seed=2))),
+                       total_token=8, depth=3, top_k=4)  # fmt: skip
+    graph_now(model)
+    verify = replays_of(model.base.compiled)
+    assert_follows_base_distribution(model, SamplingParams(1.0))
+    assert verify[(8, True)] > 1000
+
+
+@pytest.fixture(scope="module")
+def graphed(tmp_path_factory):
+    base = tiny_base("llama")
+    folder = random_draft(base, str(tmp_path_factory.mktemp("d")), eagle3=True, draft_vocab=12)
+    from eagle.model.ea_model import load_head
+
+    return base, graph_now(EaModel(base, load_head(base, *read_checkpoint(folder)), None, 8, 3, 4))
+
+
+def test_a_generation_beside_one_holding_the_graphs_caches_runs_eagerly_and_equally(graphed):
+    base, model = graphed
+    ids = torch.tensor([PROMPTS[0]])
+    alone = model.eagenerate(ids, max_new_tokens=24, stop_token_ids=[]).tolist()
+    first = model.stream(ids, max_new_tokens=24, stop_token_ids=[])
+    head = [r.tokens for r in [next(first), next(first)]]  # holds both caches now
+    assert model.base.compiled.lease(64) is None and model.compiled_draft.lease(64) is None
+    verify = replays_of(model.base.compiled)
+    beside = model.eagenerate(ids, max_new_tokens=24, stop_token_ids=[]).tolist()
+    assert beside == alone and not verify  # eager, on caches of its own
+    rest = [r.tokens for r in first]
+    assert ids[0].tolist() + [t for tokens in head + rest for t in tokens] == alone[0]
+    first.close()
+    cache = model.base.compiled.lease(64)  # given back when the stream ended
+    assert cache is not None
+    model.base.compiled.release(cache)
+
+
+def test_an_abandoned_stream_gives_the_graphs_caches_back(graphed):
+    _, model = graphed
+    stream = model.stream(torch.tensor([PROMPTS[1]]), max_new_tokens=24, stop_token_ids=[])
+    next(stream), next(stream)
+    stream.close()  # what a dropped reply does (and garbage collection, for a stream no one closes)
+    for runner in (model.base.compiled, model.compiled_draft):
+        cache = runner.lease(64)
+        assert cache is not None
+        runner.release(cache)
+
+
+def test_a_generation_longer_than_the_graphs_cache_runs_eagerly_and_equally(tmp_path):
+    base = tiny_base("llama")
+    draft = random_draft(base, str(tmp_path / "d"))
+    from eagle.model.ea_model import load_head
+
+    model = graph_now(EaModel(base, load_head(base, *read_checkpoint(draft)), None, 8, 3, 4), capacity=32)
+    verify = replays_of(model.base.compiled)
+    ids = torch.tensor([PROMPTS[0]])
+    ref = base.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=40,
+                        min_new_tokens=40, eos_token_id=None, pad_token_id=0)  # fmt: skip
+    assert model.eagenerate(ids, max_new_tokens=40, stop_token_ids=[]).tolist() == ref.tolist()
+    assert not verify  # 40 new tokens do not fit 32 positions: eager on caches of its own
+
+
+def test_the_static_cache_masks_out_stale_rows_of_an_earlier_generation(graphed):
+    """A leased cache keeps the last reply's rows past its length; a captured pass attends over the whole buffer,
+    so only the widened mask keeps them out: a reply after a longer one equals greedy `generate`."""
+    base, model = graphed
+    short, long = torch.tensor([PROMPTS[2]]), torch.tensor([PROMPTS[0] * 3])
+    ref = base.generate(short, attention_mask=torch.ones_like(short), do_sample=False, max_new_tokens=16,
+                        min_new_tokens=16, eos_token_id=None, pad_token_id=0)  # fmt: skip
+    model.eagenerate(long, max_new_tokens=48, stop_token_ids=[])
+    assert model.eagenerate(short, max_new_tokens=16, stop_token_ids=[]).tolist() == ref.tolist()
+
+
+# ------------------------------------------------------------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.parametrize("eagle3", [False, True], ids=["eagle12", "eagle3"])
+def test_captured_rounds_on_cuda_equal_greedy_generate_and_read_the_host_once_a_round(tmp_path, eagle3):
+    base = tiny_base("llama")
+    save_base(base, str(tmp_path / "base"))
+    draft = random_draft(base, str(tmp_path / "d"), eagle3=eagle3, draft_vocab=12 if eagle3 else None)
+    model = EaModel.from_pretrained(str(tmp_path / "base"), draft, dtype=torch.float32, device_map="cuda",
+                                    total_token=8, depth=3, top_k=4)  # fmt: skip
+    graph_now(model, capture=True)
+    assert model.base.compiled.steps.graphs and all(
+        isinstance(g, torch.cuda.CUDAGraph) for g in model.base.compiled.steps.graphs.values()
+    )
+    cuda_base = model.base_model
+    for prompt in PROMPTS:
+        ids = torch.tensor([prompt])
+        ref = cuda_base.generate(ids.cuda(), attention_mask=torch.ones_like(ids).cuda(), do_sample=False,
+                                 max_new_tokens=40, min_new_tokens=40, eos_token_id=None, pad_token_id=0)  # fmt: skip
+        assert model.eagenerate(ids, max_new_tokens=40, stop_token_ids=[]).tolist() == ref.cpu().tolist()
+        assert model.naivegenerate(ids, max_new_tokens=40, stop_token_ids=[]).tolist() == ref.cpu().tolist()
+    stream = model.stream(torch.tensor([PROMPTS[0]]), max_new_tokens=32, stop_token_ids=())
+    next(stream)
+    with HostReads() as reads:
+        rounds = sum(1 for _ in stream)
+    assert sum(reads.count.values()) == rounds
