@@ -62,6 +62,24 @@ def test_pass_cost_times_each_row_count_with_the_plan_and_with_each_few_row_kern
     assert result["floor"]["ms_per_token"] > 0 and result["cpu"]["cpus"] >= 1
 
 
+def test_pass_cost_times_the_few_row_kernels_eagerly_beside_compiled_rounds(folder):
+    """With compiled rounds in use, the engine column is theirs where a bucket holds the rows and the kernels'
+    columns are eager forwards (graphs: the CUDA-graph runner without capture, which compiles nothing)."""
+    from eagle.model.cuda_graphs import GraphedDecode
+    from eagle.model.ea_model import EaModel
+
+    model = EaModel.from_pretrained(str(folder / "base"), str(folder / "head"), dtype=torch.float32)
+    graphs = model.base.compiled = GraphedDecode(model.base, (1, 2), capacity=64, capture=False)
+    calls = []
+    run = graphs.steps.run
+    graphs.steps.run = lambda key, fn, inputs: calls.append(key[0]) or run(key, fn, inputs)
+    result = pass_cost.measure(model, [1, 2, 4], context=8, repeats=2)
+    assert result["compiled_rows"] == [1, 2] and model.base.compiled is graphs
+    assert sorted(set(calls)) == [1, 2] and len(calls) == 2 * 3  # the engine's 1- and 2-row passes only
+    assert "| 4 | " in pass_cost.table(result) and "| 2 | " in pass_cost.table(result)
+    assert "compiled" in pass_cost.table(result).splitlines()[3] and set(result["kernel_ms"]) >= {"linear", "wxt"}
+
+
 
 @pytest.mark.parametrize("tool,argv,message", [
     (pass_cost, ["--rows", "0,2"], "--rows, --context and --repeats must be >= 1"),

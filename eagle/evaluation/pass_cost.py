@@ -6,7 +6,8 @@
 For each n: the median wall time of the engine's base forward over n tokens after a --context-token prefix
 (features included, as in a verify pass), with the kernel plan measured on this machine, and on CPU in float32
 the same with each few-row kernel (eagle/model/few_rows.py: F.linear, W @ x^T, MKL-packed) for every row
-count. The ratio to the 1-row time is what verifying an n-node tree costs in decode steps:
+count, eagerly (with --compile, the engine column times the compiled graphs where a bucket holds the rows).
+The ratio to the 1-row time is what verifying an n-node tree costs in decode steps:
 with a head that accepts tau tokens per forward, a tree pays off when tau exceeds it (plus the draft's share).
 """
 
@@ -32,16 +33,19 @@ def measure(model, rows: list[int], context: int, repeats: int) -> dict:
     def ms():
         return {n: 1e3 * s for n, s in model.base.pass_seconds(rows, context, repeats).items()}
 
-    base = model.base_model
-    plan = few_rows.plan_of(base)  # None: the plan measured all-F.linear here, or not float32 on CPU
-    result = {"rows": rows, "engine_ms": ms(), "plan": plan, "kernel_ms": {}}
+    base, compiled = model.base_model, model.base.compiled
+    plan = few_rows.plan_of(base)  # None: the plan measured all-F.linear here, or not float32 on CPU, or compiled
+    in_graphs = [n for n in rows if compiled is not None and compiled.bucket(n) is not None]
+    result = {"rows": rows, "engine_ms": ms(), "plan": plan, "kernel_ms": {}, "compiled_rows": in_graphs}
     if plan is not None or few_rows.install(base):
+        model.base.compiled = None  # the kernels' columns time eager forwards (a graph would take bucketed rows)
         try:
             for k in few_rows.usable_kernels():
                 few_rows.set_plan(base, few_rows.uniform_plan(k))
                 result["kernel_ms"][k] = ms()
         finally:
             few_rows.set_plan(base, plan) if plan is not None else few_rows.uninstall(base)
+            model.base.compiled = compiled
     return result
 
 
@@ -49,11 +53,11 @@ def table(result: dict) -> str:
     engine, kernels = result["engine_ms"], result["kernel_ms"]
     step = engine[1] if 1 in engine else None
     fl = (result.get("floor") or {}).get("ms_per_token")
-    plan = result.get("plan") or {}
+    plan, compiled = result.get("plan") or {}, result.get("compiled_rows", [])
     head = "| rows | engine ms | kernel | in 1-row steps | in floor steps |" + "".join(f" {k} ms |" for k in kernels)
     lines = [head, "|---:|---:|:---|---:|---:|" + "---:|" * len(kernels)]
     for n in result["rows"]:
-        line = f"| {n} | {engine[n]:.1f} | {plan.get(n, 'linear')} |"
+        line = f"| {n} | {engine[n]:.1f} | {'compiled' if n in compiled else plan.get(n, 'linear')} |"
         line += f" {engine[n] / step:.2f} |" if step else " – |"
         line += f" {engine[n] / fl:.2f} |" if fl else " – |"
         line += "".join(f" {kernels[k][n]:.1f} |" for k in kernels)
