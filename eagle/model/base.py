@@ -35,6 +35,11 @@ def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return mask[None, None]
 
 
+def widened(mask: torch.Tensor, width: int) -> torch.Tensor:
+    """An additive mask [1, 1, q, k] -> [1, 1, q, width]: the positions after the k-th masked out."""
+    return torch.nn.functional.pad(mask, (0, width - mask.shape[-1]), value=torch.finfo(mask.dtype).min)
+
+
 def tree_mask(prefix_len: int, ancestors: torch.Tensor, dtype: torch.dtype, device) -> torch.Tensor:
     """Mask for n tree rows after `prefix_len` committed positions: all of the prefix, plus their ancestors
     ([n, n] bool); built where `device` is, from ancestors already there (no host sync)."""

@@ -27,7 +27,7 @@ import time
 
 import torch
 
-from .base import additive_mask
+from .base import additive_mask, widened
 from .compiled import bucket_for, pad_rows
 from .kv_cache import TreeKVCache
 
@@ -134,9 +134,9 @@ class GraphedDecode(LeasedCache):
         q, length = input_ids.shape[1], cache.length
         rows = self.bucket(q)
         ids, positions, mask = pad_rows(input_ids, position_ids, mask, rows)
-        write = torch.arange(length, length + rows, device=mask.device)
+        mask, write = widened(mask, cache.capacity), torch.arange(length, length + rows, device=mask.device)
         step = functools.partial(self._step, features=features)
-        logits, feats = self.steps.run((rows, features), step, (ids, positions, cache.widen(mask), write))
+        logits, feats = self.steps.run((rows, features), step, (ids, positions, mask, write))
         cache.crop_to(length + q)
         return logits[:q], None if feats is None else feats[:q]
 
@@ -193,9 +193,8 @@ class GraphedDraft(LeasedCache):
         rows = self.bucket(q)
         ids, positions, mask = pad_rows(input_ids, position_ids, mask, rows)
         hidden = torch.cat([hidden, hidden[:, -1:].expand(1, rows - q, -1)], dim=1)  # [1, rows, H]
-        wide = torch.nn.functional.pad(mask, (0, cache.capacity - mask.shape[-1]), value=torch.finfo(mask.dtype).min)
-        write = torch.arange(write_at, write_at + rows, device=mask.device)
-        out, log_probs = self.steps.run((rows,), self._step, (hidden, ids, positions, wide, write))
+        mask, write = widened(mask, cache.capacity), torch.arange(write_at, write_at + rows, device=mask.device)
+        out, log_probs = self.steps.run((rows,), self._step, (hidden, ids, positions, mask, write))
         return out[:q], log_probs[:q]
 
     def warm(self, log=None, context: int = 64) -> dict[int, float]:

@@ -45,8 +45,9 @@ class Drafter:
         fits; CUDA graphs on their own cache, leased here, or eagerly if it is taken)."""
         self.head = head
         self.step = HeadStep(head, base_lm_head)
-        self.leased = compiled.lease(capacity) if hasattr(compiled, "lease") else None
-        self.compiled = None if hasattr(compiled, "lease") and self.leased is None else compiled
+        leases = hasattr(compiled, "lease")  # CUDA graphs run on a cache of their own, one generation at a time
+        self.leased = compiled.lease(capacity) if leases else None
+        self.compiled = None if leases and self.leased is None else compiled
         slack = max(compiled.buckets) if compiled is not None else 0  # a padded step writes a whole bucket
         self.cache = self.leased if self.leased is not None else head.new_cache(capacity + slack)
         self.dtype = head.fc.weight.dtype

@@ -8,7 +8,7 @@ the accepted tree rows into the contiguous prefix and rejected rows are simply o
 For CUDA graphs (cuda_graphs.py) a cache must keep its addresses and every captured pass its shapes: a
 `TreeKVCache(..., static=True)` is owned by the graphs' runner, and while `write_positions` is set (a device tensor
 [q], the runner's static buffer) each layer writes its rows there and returns the whole buffers, the mask spanning
-the capacity (`widen`); the runner keeps the length. Otherwise it behaves as any TreeKVCache (eager passes).
+the capacity (`base.widened`); the runner keeps the length. Otherwise it behaves as any TreeKVCache (eager passes).
 """
 
 from __future__ import annotations
@@ -97,8 +97,10 @@ class StaticLayer(PreallocatedLayer):
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         at = self.cache.write_positions  # [q] on the layer's device
-        if at is None or not self.is_initialized:
+        if at is None:
             return super().update(key_states, value_states, *args, **kwargs)
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
         self.keys.index_copy_(2, at, key_states)
         self.values.index_copy_(2, at, value_states)
         return self.keys, self.values
@@ -116,10 +118,6 @@ class TreeKVCache(Cache):
         super().__init__(layers=layers)
         self.capacity = capacity
         self.write_positions: torch.Tensor | None = None  # [q] set by the graphs' runner around a captured pass
-
-    def widen(self, mask: torch.Tensor) -> torch.Tensor:
-        """An additive mask [1, 1, q, length + q] -> [1, 1, q, capacity]: the positions beyond are masked out."""
-        return torch.nn.functional.pad(mask, (0, self.capacity - mask.shape[-1]), value=torch.finfo(mask.dtype).min)
 
     @property
     def length(self) -> int:
