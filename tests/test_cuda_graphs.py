@@ -33,27 +33,26 @@ def graph_now(model: EaModel, capture: bool = False, capacity: int = 512) -> EaM
     return model
 
 
-def replays_of(runner) -> dict[tuple, int]:
-    """Counts the calls of each key's function (capture=False) from now on."""
+def replays_of(runner, monkeypatch) -> dict[tuple, int]:
+    """Counts the calls of each key's function (capture=False) until the test ends."""
     counts = {}
-    steps = runner.steps
-    original = steps.run
+    original = runner.steps.run
 
     def counted(key, fn, inputs):
         counts[key] = counts.get(key, 0) + 1
         return original(key, fn, inputs)
 
-    steps.run = counted
+    monkeypatch.setattr(runner.steps, "run", counted)
     return counts
 
 
 @pytest.mark.parametrize("arch, eagle3", ARCHS)
-def test_graphed_greedy_eagle_and_vanilla_equal_hf_generate(tmp_path, arch, eagle3):
+def test_graphed_greedy_eagle_and_vanilla_equal_hf_generate(tmp_path, monkeypatch, arch, eagle3):
     base = tiny_base(arch)
     save_base(base, str(tmp_path / "base"))
     draft = random_draft(base, str(tmp_path / "draft"), eagle3=eagle3, draft_vocab=12 if eagle3 else None)
     model = graph_now(EaModel.from_pretrained(str(tmp_path / "base"), draft, dtype=torch.float32))
-    verify, drafts = replays_of(model.base.compiled), replays_of(model.compiled_draft)
+    verify, drafts = replays_of(model.base.compiled, monkeypatch), replays_of(model.compiled_draft, monkeypatch)
     new_tokens = forwards = 0
     for name, tree in {"fits": FITS, "static": TreeSpec(choices=((0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0))),
                        "default": None}.items():  # fmt: skip
@@ -69,14 +68,14 @@ def test_graphed_greedy_eagle_and_vanilla_equal_hf_generate(tmp_path, arch, eagl
     assert verify[(1, False)] >= 31
 
 
-def test_graphed_sampling_follows_the_base_distribution(tmp_path):
+def test_graphed_sampling_follows_the_base_distribution(tmp_path, monkeypatch):
     base = tiny_base("llama", vocab=8, seed=5)
     with torch.no_grad():  # flatter logits, as test_lossless_sampling
         base.get_output_embeddings().weight.mul_(0.3)
     model = make_model((base, read_checkpoint(random_draft(base, str(tmp_path / "d"), seed=2))),
                        total_token=8, depth=3, top_k=4)  # fmt: skip
     graph_now(model)
-    verify = replays_of(model.base.compiled)
+    verify = replays_of(model.base.compiled, monkeypatch)
     assert_follows_base_distribution(model, SamplingParams(1.0))
     assert verify[(8, True)] > 1000
 
@@ -90,14 +89,14 @@ def graphed(tmp_path_factory):
     return base, graph_now(EaModel(base, load_head(base, *read_checkpoint(folder)), None, 8, 3, 4))
 
 
-def test_a_generation_beside_one_holding_the_graphs_caches_runs_eagerly_and_equally(graphed):
+def test_a_generation_beside_one_holding_the_graphs_caches_runs_eagerly_and_equally(graphed, monkeypatch):
     base, model = graphed
     ids = torch.tensor([PROMPTS[0]])
     alone = model.eagenerate(ids, max_new_tokens=24, stop_token_ids=[]).tolist()
     first = model.stream(ids, max_new_tokens=24, stop_token_ids=[])
     head = [r.tokens for r in [next(first), next(first)]]  # holds both caches now
     assert model.base.compiled.lease(64) is None and model.compiled_draft.lease(64) is None
-    verify = replays_of(model.base.compiled)
+    verify = replays_of(model.base.compiled, monkeypatch)
     beside = model.eagenerate(ids, max_new_tokens=24, stop_token_ids=[]).tolist()
     assert beside == alone and not verify  # eager, on caches of its own
     rest = [r.tokens for r in first]
@@ -119,13 +118,13 @@ def test_an_abandoned_stream_gives_the_graphs_caches_back(graphed):
         runner.release(cache)
 
 
-def test_a_generation_longer_than_the_graphs_cache_runs_eagerly_and_equally(tmp_path):
+def test_a_generation_longer_than_the_graphs_cache_runs_eagerly_and_equally(tmp_path, monkeypatch):
     base = tiny_base("llama")
     draft = random_draft(base, str(tmp_path / "d"))
     from eagle.model.ea_model import load_head
 
     model = graph_now(EaModel(base, load_head(base, *read_checkpoint(draft)), None, 8, 3, 4), capacity=32)
-    verify = replays_of(model.base.compiled)
+    verify = replays_of(model.base.compiled, monkeypatch)
     ids = torch.tensor([PROMPTS[0]])
     ref = base.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=40,
                         min_new_tokens=40, eos_token_id=None, pad_token_id=0)  # fmt: skip

@@ -113,12 +113,14 @@ def cpu_description() -> dict:
 
 def compiled_options() -> str:
     """How compiled graphs are built, for cache keys: compiled.py's inductor options and GEMM backends, and the
-    code of compiled.py and compiled_draft.py (timings of graphs built by other code are not reused)."""
+    code of compiled.py, compiled_draft.py and cuda_graphs.py (timings of graphs built by other code are not
+    reused)."""
     import inspect
 
-    from . import compiled, compiled_draft
+    from . import compiled, compiled_draft, cuda_graphs
 
-    code = hashlib.sha256("".join(map(inspect.getsource, (compiled, compiled_draft))).encode()).hexdigest()[:12]
+    sources = "".join(map(inspect.getsource, (compiled, compiled_draft, cuda_graphs)))
+    code = hashlib.sha256(sources.encode()).hexdigest()[:12]
     return json.dumps({**compiled.OPTIONS, "gemm_backends": compiled.GEMM_BACKENDS, "code": code}, sort_keys=True)
 
 
