@@ -62,15 +62,27 @@ def test_compiled_greedy_eagle_and_vanilla_equal_hf_generate(tmp_path, arch, eag
     draft = random_draft(base, str(tmp_path / "draft"), eagle3=eagle3, draft_vocab=12 if eagle3 else None)
     model = compile_now(EaModel.from_pretrained(str(tmp_path / "base"), draft, dtype=torch.float32))
     verify_calls, draft_calls = calls_of(model.base.compiled), calls_of(model.compiled_draft)
-    # the default tree (60 nodes, width 10) verifies and drafts eagerly around the compiled vanilla-size graphs
+    assert_every_tree_equals_generate(model, base)
+    assert verify_calls[8] > 20 and draft_calls[4] > 20  # the graphs did the work
+    assert_vanilla_equals_generate(model, base)
+
+
+# the default tree (60 nodes, width 10) verifies and drafts eagerly around the graphs of vanilla-size buckets
+TREES = {"fits": FITS, "static": TreeSpec(choices=((0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0))),
+         "default": TreeSpec()}  # fmt: skip
+
+
+def assert_every_tree_equals_generate(model, base) -> None:
+    """Greedy EAGLE equals greedy `generate` on every prompt with each of TREES, and some drafts were accepted."""
     new_tokens = forwards = 0
-    for name, tree in {"fits": FITS, "static": TreeSpec(choices=((0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0))),
-                       "default": None}.items():  # fmt: skip
-        model.tree = tree or TreeSpec()
+    for name, tree in TREES.items():
+        model.tree = tree
         n, f = _assert_equal(model, base, name)
         new_tokens, forwards = new_tokens + n, forwards + f
     assert new_tokens / forwards > 1.05, "no drafted token was accepted: the trees were not exercised"
-    assert verify_calls[8] > 20 and draft_calls[4] > 20  # the graphs did the work
+
+
+def assert_vanilla_equals_generate(model, base) -> None:
     ids = torch.tensor([PROMPTS[1]])
     ref = base.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=32,
                         min_new_tokens=32, eos_token_id=None, pad_token_id=0)  # fmt: skip
