@@ -137,20 +137,27 @@ def test_inductor_cache_goes_to_the_project_cache_unless_the_user_chose_one(monk
     assert default_cache_dir() != str(tmp_path / "mine")
 
 
-def test_compiled_graphs_freeze_the_weights_and_go_to_the_disk_cache(folder):
-    """The graphs run on weights frozen into them, never matmuls over weight inputs: the few-row layers go back to
-    nn.Linear while compiled (dynamo lifts a custom module's weights as inputs), and come back with their plan
-    when compiling is undone. Inductor's graph cache keeps the frozen graphs (no MKL-packed weight, an mkldnn
-    tensor it cannot store, is left in them), so a later start loads them instead of lowering them again."""
+@pytest.mark.parametrize("linears", ["panel", "inductor"])
+def test_compiled_graphs_freeze_the_weights_and_go_to_the_disk_cache(folder, monkeypatch, linears):
+    """The graphs run on weights frozen into them, never matmuls over weight inputs: where the panel kernel runs,
+    the few-row layers call it on their panels for every row count while compiled; elsewhere they go back to
+    nn.Linear (dynamo lifts a custom module's weights as inputs) for inductor's own GEMMs. Either way they come
+    back with their plan when compiling is undone. Inductor's graph cache keeps the frozen graphs (no MKL-packed
+    weight, an mkldnn tensor it cannot store, is left in them), so a later start loads them instead of lowering
+    them again."""
     from torch._dynamo.utils import counters
 
-    from eagle.model import few_rows
+    from eagle.model import few_rows, panel_kernel
 
+    if linears == "panel" and not panel_kernel.available():
+        pytest.skip(f"panel kernel: {panel_kernel._state.get('why')}")
+    if linears == "inductor":
+        monkeypatch.setattr(panel_kernel, "available", lambda log=None: False)
     _, model = folder
     few_rows.uninstall(model)  # earlier tests installed the default plan on this model
     base = BaseModel(model, eagle3=False, few_row_plan=few_rows.uniform_plan("wxt"))
     base.compiled = base.compile(buckets=(1,))
-    assert few_rows.plan_of(model) is None
+    assert few_rows.plan_of(model) == (few_rows.uniform_plan("panel") if linears == "panel" else None)
     try:
         counters.clear()
         base.compiled.warm()
@@ -163,6 +170,7 @@ def test_compiled_graphs_freeze_the_weights_and_go_to_the_disk_cache(folder):
                 base.forward(torch.tensor([[4]]), torch.tensor([[3]]), cache, features=False)
         names = {e.key for e in prof.key_averages()}
         assert any("CompiledFxGraph" in n for n in names) and not names & {"aten::mm", "aten::addmm", "aten::linear"}
+        assert ("eagle::panel_linear" in names) == (linears == "panel")
     finally:
         base.decompile()
     assert few_rows.plan_of(model) == few_rows.uniform_plan("wxt")

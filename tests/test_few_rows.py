@@ -73,7 +73,7 @@ def test_packed_weights_exist_only_while_the_plan_uses_them():
 def test_no_packed_copy_when_it_would_not_fit_in_memory(monkeypatch):
     model = nn.Sequential(nn.Linear(16, 16))
     install(model, {1: "linear"})
-    monkeypatch.setattr(few_rows, "_copy_fits", lambda layers: False)  # e.g. a 7B float32 base on a small machine
+    monkeypatch.setattr(few_rows, "_copy_fits", lambda layers, attr: False)  # e.g. a 7B float32 base on a small machine
     assert set_plan(model, {4: "packed"}) == {4: "linear"} and model[0].packed is None
 
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 from tiny import random_draft, save_base, tiny_base
 
-from eagle.model import tuner
+from eagle.model import few_rows, tuner
 from eagle.model.ea_model import EaModel
 from eagle.model.tuner import expected_tau, pick_tree
 
@@ -103,6 +103,9 @@ def test_cost_cache_key_changes_with_machine_model_and_head(folders, monkeypatch
     model.base_model.config.rms_norm_eps = 1e-3
     assert tuner._cache_key(model) != key  # the model
     model.base_model.config.rms_norm_eps = 1e-5
+    monkeypatch.setattr(few_rows, "kernels_id", lambda: "linear,wxt;panel_linear.cpp changed")
+    assert tuner._cache_key(model) != key  # the kernels (a new or changed one is timed again)
+    monkeypatch.undo()
     monkeypatch.setattr(tuner, "cpu_description", lambda: {"model": "another CPU"})
     assert tuner._cache_key(model) != key  # the machine
 
@@ -179,7 +182,7 @@ def test_few_row_kernels_auto_takes_the_fastest_kernel_per_row_count_as_timed_he
         return few_rows.plan_of(model.base_model)
 
     ms = {"linear": {1: 1, 2: 2, 4: 4, 8: 8, 16: 16}, "wxt": {1: 3, 2: 1, 4: 3, 8: 9, 16: 9},
-          "packed": {1: 5, 2: 5, 4: 5, 8: 5, 16: 5}}  # fmt: skip
+          "packed": {1: 5, 2: 5, 4: 5, 8: 5, 16: 5}, "panel": {1: 7, 2: 7, 4: 7, 8: 7, 16: 7}}  # fmt: skip
 
     def timed(self, rows, *a, **k):
         kernel = few_rows.plan_of(self.model)[1]  # the tuner times one kernel for every row count at a time
@@ -192,7 +195,7 @@ def test_few_row_kernels_auto_takes_the_fastest_kernel_per_row_count_as_timed_he
         assert {n: auto[n] for n in (1, 2, 3, 4)} == want
         assert {auto[n] for n in range(5, 17)} == {"packed"}  # 5-8 rows take the 8-row timing, 9-16 the 16-row
     monkeypatch.setenv("EAGLE_CACHE", str(folders[0]) + "-other")  # another machine, where F.linear wins
-    ms["wxt"] = ms["packed"] = {n: 99 for n in ms["linear"]}
+    ms["wxt"] = ms["packed"] = ms["panel"] = {n: 99 for n in ms["linear"]}
     slow = EaModel.from_pretrained(*folders, few_row_kernels="auto", dtype=torch.float32)
     assert plan(slow) is None  # all F.linear: the layers go back to nn.Linear
     ids = torch.tensor([[3, 4, 5, 6]])

@@ -142,19 +142,26 @@ class BaseModel:
             return GraphedDecode(self, buckets or BUCKETS)
         from .compiled import BUCKETS, CompiledDecode
 
-        # plain nn.Linear layers: dynamo lifts a custom module's weights as graph inputs, which inductor cannot
-        # freeze (its GEMMs then fall back to unpacked MKL calls); prefill and wider trees lose the few-row plan.
-        # Swapping a layer's class under a running eager forward is harmless: both compute the same product.
+        # The graphs' linears: the panel kernel where it runs here (an operator inductor calls as is, on panels
+        # made once; nothing for inductor to pack or autotune, and prefill and wider trees keep it too), else plain
+        # nn.Linear layers, for inductor's own GEMMs: dynamo lifts a custom module's weights as graph inputs, which
+        # inductor cannot freeze (its GEMMs then fall back to unpacked MKL calls). Swapping a layer's plan or class
+        # under a running eager forward is harmless: every kernel computes the same product.
         if self.eager_plan is None:
             self.eager_plan = few_rows.plan_of(self.model)
-        few_rows.uninstall(self.model)
+        panels = few_rows.uniform_plan("panel")
+        if self.eager_plan is None or few_rows.set_plan(self.model, panels) != panels:
+            few_rows.uninstall(self.model)
         return CompiledDecode(self, buckets or BUCKETS)
 
     def decompile(self) -> None:
         """Back to eager forwards, with the few-row plan in force before `compile`."""
         self.compiled = None
         if self.eager_plan is not None:
-            few_rows.install(self.model, self.eager_plan)
+            if few_rows.plan_of(self.model) is None:
+                few_rows.install(self.model, self.eager_plan)
+            else:
+                few_rows.set_plan(self.model, self.eager_plan)
             self.eager_plan = None
 
     def forward(

@@ -45,6 +45,7 @@ import time
 
 import torch
 
+from . import few_rows
 from .base import additive_mask
 
 BUCKETS = (1, 4, 8)
@@ -266,5 +267,6 @@ class CompiledDecode:
                 cache.crop_to(context)
                 seconds[rows] = time.perf_counter() - t0
                 if log:
-                    log(f"compiled the {rows}-row forward in {seconds[rows]:.1f} s (GEMMs: {self.graphs.gemms(rows)})")
+                    linears = "panel kernel" if few_rows.plan_of(self.base.model) else f"GEMMs: {self.graphs.gemms(rows)}"
+                    log(f"compiled the {rows}-row forward in {seconds[rows]:.1f} s (linears: {linears})")
         return seconds

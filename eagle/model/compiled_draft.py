@@ -15,6 +15,7 @@ import time
 
 import torch
 
+from . import few_rows
 from .base import additive_mask
 from .compiled import BucketGraphs, fresh, pad_rows, static_rows
 
@@ -26,6 +27,10 @@ class CompiledDraft:
 
     def __init__(self, step, buckets=DRAFT_BUCKETS):
         self.step = step
+        # a float32 head's linears call the panel kernel in the graphs where it runs here (as the base's do, see
+        # BaseModel.compile); outside `few_row_kernels()` eager drafting with the same head is plain nn.Linear
+        if "panel" in few_rows.usable_kernels():
+            few_rows.install(step.head, few_rows.uniform_plan("panel"))
         self.graphs = BucketGraphs(step, buckets, (step.head, step.base_lm_head), "compiled draft steps")
         self.buckets = self.graphs.buckets
 
@@ -64,6 +69,7 @@ class CompiledDraft:
                          torch.arange(context, context + rows)[None], additive_mask(allowed, dtype), cache, context)  # fmt: skip
                 seconds[rows] = time.perf_counter() - t0
                 if log:
+                    linears = "panel kernel" if few_rows.plan_of(head) else f"GEMMs: {self.graphs.gemms(rows)}"
                     log(f"compiled the {rows}-row draft step ({head.dtype_name}) in {seconds[rows]:.1f} s "
-                        f"(GEMMs: {self.graphs.gemms(rows)})")  # fmt: skip
+                        f"(linears: {linears})")  # fmt: skip
         return seconds

@@ -9,7 +9,13 @@ is memory bandwidth, and which kernel streams best depends on the CPU and the ro
 - "packed": MKL's packed GEMM on a weight packed once at load for PACKED_ROWS rows (inputs padded with zero rows):
   the weight is streamed once with no repacking, so 16 rows cost about 1.4x one row. It keeps a second copy of
   every weight (the default 135M model: +538 MB), so it is used only while that copy fits in 30% of the memory
-  available (else those rows take F.linear).
+  available (else those rows take F.linear);
+- "panel": the project's own kernel (panel_kernel.py, built at first use) on a weight stored once as column
+  panels: every weight streamed once per forward at the machine's bandwidth, the rows' multiply-adds in vector
+  registers meanwhile, so 8 rows cost about one (an AMD EPYC Zen 5, 2 threads, 141 MB of the default model's
+  layer shapes: 1 / 8 / 16 rows 2.7 / 3.3 / 7.9 ms against F.linear's 8.1 / 17 / 20). Its panels are a second
+  copy of each weight, kept only while it fits as "packed"'s is; it is also the kernel inside compiled graphs
+  (compiled.py), where inductor calls it as an operator.
 A *plan* maps each row count to a kernel: `DEFAULT_PLAN` without a measurement, or the fastest kernel per row
 count as timed on this machine (`tuner.few_row_plan`). Rows beyond MAX_ROWS always take F.linear.
 
@@ -26,9 +32,12 @@ import contextvars
 import torch
 from torch import nn
 
+from . import panel_kernel
+
 PACKED_ROWS = 16
 MAX_ROWS = PACKED_ROWS
-KERNELS = ("linear", "wxt", "packed")
+KERNELS = ("linear", "wxt", "packed", "panel")
+COPIES = {"packed": "packed", "panel": "panels"}  # kernels that keep a copy of each weight -> the attribute
 DEFAULT_PLAN = {1: "linear", **{rows: "packed" for rows in range(2, MAX_ROWS + 1)}}
 _enabled = contextvars.ContextVar("few_row_kernels", default=False)
 
@@ -38,8 +47,18 @@ def packed_kernel_available() -> bool:
 
 
 def usable_kernels() -> list[str]:
-    """The kernels this torch build can run ("packed" needs MKL's packing)."""
-    return [k for k in KERNELS if k != "packed" or packed_kernel_available()]
+    """The kernels this machine can run ("packed" needs MKL's packing, "panel" its library built)."""
+    usable = {"packed": packed_kernel_available, "panel": panel_kernel.available}
+    return [k for k in KERNELS if k not in usable or usable[k]()]
+
+
+def kernels_id() -> str:
+    """The kernels usable here and the panel kernel's source, for the keys of cached timings (a new kernel or a
+    changed one is measured again)."""
+    import hashlib
+
+    source = hashlib.sha256(panel_kernel.SOURCE.read_bytes()).hexdigest()[:12]
+    return f"{','.join(usable_kernels())};panel_linear.cpp {source}"
 
 
 def uniform_plan(kernel: str) -> dict[int, str]:
@@ -50,18 +69,25 @@ def uniform_plan(kernel: str) -> dict[int, str]:
 class FewRowLinear(nn.Linear):
     """nn.Linear whose forward takes its plan's kernel for the row count inside `few_row_kernels()`.
 
-    `plan` (rows -> kernel, shared by the layers of one model) and `packed` (the MKL-packed weight, or None) are
-    plain attributes: parameters and state dict keys stay nn.Linear's."""
+    `plan` (rows -> kernel, shared by the layers of one model), `packed` (the MKL-packed weight, or None) and
+    `panels` (the panel kernel's copy, or None) are plain attributes: parameters and state dict keys stay
+    nn.Linear's. In a compiled graph (compiled.py; the rows are static there) rows the plan gives to "panel" call
+    the panel kernel and any other rows F.linear, whether or not `few_row_kernels()` was entered."""
 
     plan: dict[int, str]
     packed: torch.Tensor | None
+    panels: torch.Tensor | None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
-        # a compiled graph (compiled.py) gets the plain linear: inductor chooses and packs its own kernels
-        kernel = self.plan.get(rows, "linear") if not torch.compiler.is_compiling() and _enabled.get() else "linear"
+        if torch.compiler.is_compiling():  # in a graph: the panel kernel, or inductor's own GEMMs
+            kernel = "panel" if self.plan.get(rows) == "panel" else "linear"
+        else:
+            kernel = self.plan.get(rows, "linear") if _enabled.get() else "linear"
         if kernel == "linear":
             return super().forward(x)
+        if kernel == "panel":
+            return torch.ops.eagle.panel_linear(x, self.panels, self.bias, self.out_features)
         flat = x.reshape(rows, x.shape[-1])  # [rows, in]
         if kernel == "packed":
             pad = flat.new_zeros(PACKED_ROWS - rows, flat.shape[1])
@@ -90,7 +116,7 @@ def install(model: nn.Module, plan: dict[int, str] | None = None) -> int:
         w = module.weight if type(module) is nn.Linear else None
         if w is not None and w.device.type == "cpu" and w.dtype == torch.float32:
             module.__class__ = FewRowLinear
-            module.packed = None
+            module.packed = module.panels = None
             n += 1
     if n:
         set_plan(model, DEFAULT_PLAN if plan is None else plan)
@@ -98,30 +124,43 @@ def install(model: nn.Module, plan: dict[int, str] | None = None) -> int:
 
 
 def set_plan(model: nn.Module, plan: dict[int, str]) -> dict[int, str]:
-    """Use `plan` (rows -> kernel) in every few-row layer of `model`; packs the weights when the plan uses "packed"
-    (where MKL packing is unavailable those rows take F.linear) and frees the packed copies when it does not.
-    Returns the plan in force."""
+    """Use `plan` (rows -> kernel) in every few-row layer of `model`; makes the weight copies the plan's kernels
+    need ("packed", "panel"; where a kernel is unavailable or its copy would not fit, its rows take F.linear) and
+    frees those it does not. Returns the plan in force."""
     unknown = set(plan.values()) - set(KERNELS)
     if unknown:
         raise ValueError(f"unknown few-row kernels {sorted(unknown)}; choose from {KERNELS}")
     plan = {int(rows): kernel for rows, kernel in plan.items() if 1 <= int(rows) <= MAX_ROWS}
     layers = _layers(model)
-    if "packed" in plan.values() and not (packed_kernel_available() and _copy_fits(layers)):
-        plan = {rows: "linear" if kernel == "packed" else kernel for rows, kernel in plan.items()}
+    usable = usable_kernels()
+    for kernel, attr in COPIES.items():
+        if kernel in plan.values() and not (kernel in usable and _copy_fits(layers, attr)):
+            plan = {rows: "linear" if k == kernel else k for rows, k in plan.items()}
     for layer in layers:
         layer.plan = plan
-        if "packed" not in plan.values():
-            layer.packed = None
-        elif layer.packed is None:
-            with torch.no_grad():
-                layer.packed = torch.ops.mkl._mkl_reorder_linear_weight(layer.weight.detach(), PACKED_ROWS)
+        for kernel, attr in COPIES.items():
+            if kernel not in plan.values():
+                setattr(layer, attr, None)
+            elif getattr(layer, attr) is None:
+                setattr(layer, attr, _copy(kernel, layer.weight))
     return plan
 
 
-def _copy_fits(layers: list[FewRowLinear], share: float = 0.3) -> bool:
-    """Whether a packed copy of these layers' weights fits in `share` of the memory available now (Linux;
+@torch.no_grad()
+def _copy(kernel: str, weight: torch.Tensor) -> torch.Tensor:
+    if kernel == "packed":
+        return torch.ops.mkl._mkl_reorder_linear_weight(weight.detach(), PACKED_ROWS)
+    panels = panel_kernel.pack(weight)
+    # static in graphs (compiled.py traces with dynamic=True): a plain attribute's sizes would become symbols, left
+    # undeclared in inductor's C++ wrapper once the panels are frozen into the graph
+    torch._dynamo.mark_static(panels)
+    return panels
+
+
+def _copy_fits(layers: list[FewRowLinear], attr: str, share: float = 0.3) -> bool:
+    """Whether a copy (`attr`) of these layers' weights fits in `share` of the memory available now (Linux;
     elsewhere assumed to fit): a 7B float32 base would need another 28 GB."""
-    unpacked = sum(layer.weight.numel() * 4 for layer in layers if layer.packed is None)
+    unpacked = sum(layer.weight.numel() * 4 for layer in layers if getattr(layer, attr) is None)
     try:
         with open("/proc/meminfo") as f:
             available = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
@@ -141,7 +180,7 @@ def uninstall(model: nn.Module) -> int:
     n = 0
     for module in _layers(model):
         module.__class__ = nn.Linear
-        del module.plan, module.packed
+        del module.plan, module.packed, module.panels
         n += 1
     return n
 

@@ -135,6 +135,7 @@ def _cache_key(model, head: bool = True) -> str:
         "gpu": torch.cuda.get_device_name() if device.startswith("cuda") else None,
         "base": getattr(base.config, "_name_or_path", ""), "base_config": base.config.to_json_string(),
         "base_dtype": str(model.base.dtype), "few_row_plan": few_rows.plan_of(base),
+        "few_row_kernels": few_rows.kernels_id(),
         "compiled": model.base.compiled.buckets if model.base.compiled is not None else None,
     }  # fmt: skip
     if head:

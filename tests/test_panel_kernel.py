@@ -1,0 +1,103 @@
+"""The panel kernel (eagle/model/panel_kernel.py, panel_linear.cpp): built here with the machine's compiler,
+F.linear's product for any shape, each row independent of the others, and cached per source, torch and CPU."""
+
+import pytest
+import torch
+from torch import nn
+
+from eagle.model import few_rows, panel_kernel
+from eagle.model.few_rows import few_row_kernels, install, set_plan, uniform_plan
+
+needs_kernel = pytest.mark.skipif(not panel_kernel.available(), reason=f"panel kernel: {panel_kernel._state.get('why')}")
+
+
+@needs_kernel
+@pytest.mark.parametrize("n, k", [(1, 1), (47, 5), (48, 64), (49, 64), (200, 96), (3 * 48 + 7, 33)])
+@pytest.mark.parametrize("rows", [1, 3, 8, 9, 16, 17])
+def test_panel_linear_equals_f_linear_for_any_shape(n, k, rows):
+    torch.manual_seed(n * 100 + rows)
+    w, b, x = torch.randn(n, k), torch.randn(n), torch.randn(2, rows, k)
+    panels = panel_kernel.pack(w)
+    assert panels.shape == (-(-n // panel_kernel.width()), k, panel_kernel.width())
+    for bias in (None, b):
+        out = torch.ops.eagle.panel_linear(x, panels, bias, n)
+        assert out.shape == (2, rows, n) and out.is_contiguous()
+        torch.testing.assert_close(out, nn.functional.linear(x, w, bias), rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
+def test_a_row_of_the_panel_kernel_does_not_depend_on_the_other_rows():
+    """Padding rows and tree siblings never change a row's result, bit for bit (rows in tiles of any size)."""
+    torch.manual_seed(0)
+    w = torch.randn(100, 64)
+    panels = panel_kernel.pack(w)
+    x = torch.randn(1, 64)
+    alone = torch.ops.eagle.panel_linear(x, panels, None, 100)
+    for rows in (2, 5, 8, 13, 16):
+        others = 100 * torch.randn(rows - 1, 64)
+        assert torch.equal(torch.ops.eagle.panel_linear(torch.cat([x, others]), panels, None, 100)[:1], alone)
+        assert torch.equal(torch.ops.eagle.panel_linear(torch.cat([others, x]), panels, None, 100)[-1:], alone)
+
+
+@needs_kernel
+def test_panels_that_do_not_match_the_weight_are_refused_with_the_fix():
+    panels = panel_kernel.pack(torch.randn(96, 32))
+    with pytest.raises(RuntimeError, match="pack the weight with eagle.model.panel_kernel.pack"):
+        torch.ops.eagle.panel_linear(torch.randn(1, 31), panels, None, 96)
+    with pytest.raises(RuntimeError, match="float32"):
+        torch.ops.eagle.panel_linear(torch.randn(1, 32, dtype=torch.bfloat16), panels, None, 96)
+
+
+@needs_kernel
+def test_panel_copies_exist_only_while_the_plan_uses_them():
+    model = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 8))
+    install(model, {1: "linear"})
+    assert all(m.panels is None for m in model)
+    set_plan(model, uniform_plan("panel"))
+    assert all(m.panels is not None for m in model)
+    x = torch.randn(3, 16)
+    with few_row_kernels():
+        out = model(x)
+    ref = nn.functional.linear(nn.functional.linear(x, model[0].weight, model[0].bias), model[1].weight, model[1].bias)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    set_plan(model, {4: "wxt"})
+    assert all(m.panels is None for m in model)
+
+
+@needs_kernel
+def test_a_traced_graph_calls_the_panel_kernel_for_the_rows_the_plan_gives_it():
+    """In a graph (compiled.py traces the base), the rows planned for "panel" call the operator, other rows F.linear."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    layer = nn.Linear(40, 24)
+    install(layer, {4: "panel", 2: "wxt"})
+    for rows, op in ((4, torch.ops.eagle.panel_linear), (2, torch._C._nn.linear)):
+        torch._dynamo.reset()
+        counter = CompileCounterWithBackend("eager")
+        x = torch.randn(1, rows, 40)
+        out = torch.compile(layer, backend=counter, fullgraph=True)(x)
+        torch.testing.assert_close(out, nn.functional.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
+        targets = [n.target for g in counter.graphs for n in g.graph.nodes if n.op == "call_function"]
+        assert op in targets, targets
+
+
+def test_without_a_compiler_the_plan_falls_back_to_f_linear(monkeypatch, tmp_path):
+    monkeypatch.setattr(panel_kernel, "_state", {})
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    monkeypatch.setattr(panel_kernel, "_build_and_load", lambda: (_ for _ in ()).throw(RuntimeError("no C++ compiler")))
+    lines = []
+    assert not panel_kernel.available(lines.append)
+    assert "panel" not in few_rows.usable_kernels()
+    assert len(lines) == 1 and "no C++ compiler" in lines[0] and "panel kernel unavailable" in lines[0]
+    model = nn.Sequential(nn.Linear(16, 16))
+    install(model, {1: "linear"})
+    assert set_plan(model, {1: "panel", 2: "wxt"}) == {1: "linear", 2: "wxt"} and model[0].panels is None
+
+
+@needs_kernel
+def test_the_library_is_cached_per_cpu_and_source(monkeypatch):
+    cxx = panel_kernel._compiler()
+    here = panel_kernel.library_path(cxx)
+    assert here.is_file() and here == panel_kernel._state["path"]
+    monkeypatch.setattr(panel_kernel, "_cpu_identity", lambda: "model name: another CPU\nflags: avx2\n")
+    assert panel_kernel.library_path(cxx) != here
