@@ -1,12 +1,14 @@
-"""How fast inductor's GEMMs run a decode-sized matmul on this CPU, per set of inductor options.
+"""How fast inductor's GEMMs and the project's panel kernel run a decode-sized matmul on this CPU.
 
     python -m eagle.evaluation.gemm_kernels --threads 2                 # 8 rows through 20 [1536 x 576] weights
+    python -m eagle.evaluation.gemm_kernels --threads 2 --rows 16 --variants '{}' panel
     python -m eagle.evaluation.gemm_kernels --rows 1 --dtype bfloat16 \\
         --variants '{}' '{"max_autotune_gemm_backends": "ATEN"}'
 
 A stack of `--layers` bias-free linears of [N, K] (one graph, weights frozen as in eagle/model/compiled.py) is
 compiled once per variant (a JSON object of inductor options over compiled.py's, e.g. `cpp.gemm_cache_blocking`,
-`cpp.gemm_thread_factors`, `max_autotune_gemm_backends`) and the variants are timed interleaved in one process,
+`cpp.gemm_thread_factors`, `max_autotune_gemm_backends`; or `panel`: the panel kernel, eagle/model/panel_kernel.py,
+called eagerly as the few-row layers call it) and the variants are timed interleaved in one process,
 so the machine's drift hits them alike. Reported: median ms, the weights' bytes per second (a GEMV's limit is the
 machine's bandwidth) and GFLOP/s (a GEMM's limit is its FMA peak). The compiled verify pass's cost per row count
 (pass_cost.py) follows from these two limits.
@@ -23,6 +25,7 @@ import time
 import torch
 from torch import nn
 
+from eagle.model import few_rows, panel_kernel
 from eagle.model.compiled import OPTIONS
 from eagle.model.tuner import cpu_description
 
@@ -38,6 +41,20 @@ class Stack(nn.Module):
         return [linear(x) for linear in self.linears]
 
 
+def panel_stack(stack: Stack):
+    """The stack's linears on the panel kernel, as the few-row layers run them (eager calls of the operator)."""
+    if not panel_kernel.available():
+        sys.exit(f"the panel variant needs the panel kernel, unavailable here: {panel_kernel._state.get('why')}")
+    fast = copy.deepcopy(stack)
+    few_rows.install(fast, few_rows.uniform_plan("panel"))
+
+    def run(x):
+        with few_rows.few_row_kernels():
+            return fast(x)
+
+    return run
+
+
 def measure(n: int, k: int, layers: int, rows: int, dtype: torch.dtype, variants: list[dict], repeats: int = 40):
     """One row per variant: {options, ms, gb_s, gflop_s, error} (error: max |compiled - eager|)."""
     torch.manual_seed(0)
@@ -47,8 +64,12 @@ def measure(n: int, k: int, layers: int, rows: int, dtype: torch.dtype, variants
     graphs = []
     with torch.inference_mode():
         for options in variants:
-            graph = torch.compile(copy.deepcopy(stack), dynamic=False)
-            with torch._inductor.config.patch({**OPTIONS, "fx_graph_cache": False, **options}):
+            if options == "panel":
+                graph = panel_stack(stack)
+            else:
+                graph = torch.compile(copy.deepcopy(stack), dynamic=False)
+            inductor = {} if options == "panel" else options
+            with torch._inductor.config.patch({**OPTIONS, "fx_graph_cache": False, **inductor}):
                 out = graph(x)  # compiles under the variant's options
             error = max(float((a.float() - lin(x).float()).abs().max()) for a, lin in zip(out, stack.linears))
             graphs.append((graph, error))
@@ -76,8 +97,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     p.add_argument("--variants", nargs="+", default=["{}", '{"cpp.gemm_cache_blocking": "1,1,576"}',
                                                       '{"max_autotune_gemm_backends": "ATEN"}'],
-                   help="JSON objects of inductor options, one per variant (default: as compiled.py, the whole K "
-                   "per cache block, MKL)")  # fmt: skip
+                   help="JSON objects of inductor options, one per variant, or panel (the panel kernel); default: "
+                   "as compiled.py, the whole K per cache block, MKL")  # fmt: skip
     p.add_argument("--repeats", type=int, default=40)
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     return p
@@ -88,9 +109,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if args.threads:
         torch.set_num_threads(args.threads)
     try:
-        variants = [json.loads(v) for v in args.variants]
+        variants = [v if v == "panel" else json.loads(v) for v in args.variants]
     except json.JSONDecodeError as e:
-        sys.exit(f"--variants: each must be a JSON object of inductor options ({e})")
+        sys.exit(f"--variants: each must be a JSON object of inductor options or panel ({e})")
     result = measure(args.n, args.k, args.layers, args.rows, getattr(torch, args.dtype), variants, args.repeats)
     cpu = cpu_description()
     flags = " ".join(cpu["flags"])
@@ -98,8 +119,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     print(f"{args.rows} rows through {args.layers} x [{args.n} x {args.k}] {args.dtype} weights, compiled (frozen)")
     print("| options | ms | GB/s of weights | GFLOP/s | max error |\n|:---|---:|---:|---:|---:|")
     for r in result:
-        options = json.dumps(r["options"])
-        print(f"| `{options}` | {r['ms']:.3f} | {r['gb_s']:.1f} | {r['gflop_s']:.0f} | {r['error']:.1e} |")
+        options = "panel kernel" if r["options"] == "panel" else f"`{json.dumps(r['options'])}`"
+        print(f"| {options} | {r['ms']:.3f} | {r['gb_s']:.1f} | {r['gflop_s']:.0f} | {r['error']:.1e} |")
     return result
 
 

@@ -1,38 +1,35 @@
 """Compiled base forwards: the vanilla step and the tree verify pass as inductor graphs (torch.compile).
 
 What is compiled is `BaseModel.decode`, transformers' own decoder plus the lm_head and the base's logit processing,
-for a fixed number of new rows, a *bucket*: 1 (the vanilla step), 4 and 8 (tree verification). The rows are
+for a fixed number of new rows, a *bucket*: 1 (the vanilla step), 8 and 16 (tree verification). The rows are
 static in each graph, the context length symbolic, so a bucket compiles once and never again as the context grows
 or a new cache is allocated. A tree with fewer rows than its bucket is padded with rows that see only the committed
 prefix and themselves; their logits, features and cache rows are dropped before anyone sees them, so padding never
 changes the output. Prefill, and trees wider than the largest bucket, run eagerly.
 
-The weights are frozen into the graphs (inductor's `freezing`) and the matmuls are inductor's own C++ GEMM
-micro-kernels (`max_autotune`, backend CPP), which pack each weight once at compile time for the bucket's rows.
-A decode-sized matmul is a stream of the weight, and these kernels stream it at the machine's bandwidth where MKL's
-GEMV/GEMM reach 40% of it (AMD EPYC, 2 threads: every GEMM of a 1-row step of the default model at 28-30 GB/s,
-`torch.sum` 27 GB/s; MKL 11 GB/s); the small operations between the matmuls (norms, rotary, residuals) fuse
-into a few C++/OpenMP loops per layer. The graph's ~400 kernel calls are made from C++ (`cpp_wrapper`), and once a
-bucket has run, dynamo checks only the guards that tell the graphs apart (`BucketGraphs.call`): on that machine
-the 1-row step went 24 -> 20.5 -> 19.1 ms with the two, the bandwidth floor being 20 ms. Where no CPP kernel
-applies to a shape (odd sizes, as in tiny test models; every shape of the default model has one) or inductor's CPP
-template fails on one (its epilogue of a biased q/k/v projection in a tiny Qwen2), that bucket's graph is compiled
-again with MKL's kernels as candidates too, then with MKL's alone (`GEMM_BACKENDS`): not first, because autotuning
-times the candidates on a weight already in cache, which picks MKL for 8-16 rows where, streaming from memory, it
-is slower (16 rows of the default model: 86 ms a forward with MKL allowed, 63 without).
-The frozen graphs hold their own packed copy of the weights (the default model: +538 MB).
+The linears are the panel kernel (panel_kernel.py), called by the graphs as an operator on weight panels made
+once: it streams every weight once per forward whatever the rows, so on a 2-core AMD EPYC (Zen 5) a compiled pass
+over 1 / 8 / 16 rows of the default model took 14.0 / 15.9 / 19.8 ms, and trees of 8 and 16 nodes pay. The small
+operations between the matmuls (norms, rotary, residuals) fuse into a few C++/OpenMP loops per layer, and the
+graph's ~400 kernel calls are made from C++ (`cpp_wrapper`); once a bucket has run, dynamo checks only the guards
+that tell the graphs apart (`BucketGraphs.call`). The other weights are frozen into the graphs (inductor's
+`freezing`). Where the panel kernel cannot be built, the matmuls are inductor's own C++ GEMM micro-kernels
+(`max_autotune`, backend CPP), packed at compile time for the bucket's rows; they stream a 1-row step at the
+machine's bandwidth but are FLOP-bound from 8 rows (1 / 4 / 8 / 16 rows: 23 / 24 / 36 / 63 ms on a Zen 4 before the
+C++ wrapper). Where no CPP kernel applies to a shape (odd sizes, as in tiny test models) or inductor's CPP template
+fails on one (its epilogue of a biased q/k/v projection in a tiny Qwen2), that bucket's graph is compiled again
+with MKL's kernels as candidates too, then with MKL's alone (`GEMM_BACKENDS`): not first, because autotuning times
+the candidates on a weight already in cache, which picks MKL for 8-16 rows where, streaming from memory, it is
+slower. Frozen CPP GEMMs hold their own packed copy of the weights (the default model: +538 MB), as the panels do.
 
 Compiled artefacts are cached on disk under `cache_dir()/inductor` (TORCHINDUCTOR_CACHE_DIR if set): inductor's
-graph cache keeps each bucket's lowered graph, C++ library and packed weights (~0.5 GB a base bucket of the
-default model), so a later start skips lowering, autotuning and the C++ build and only traces again (dynamo and
-AOT): on a 2-core AMD EPYC, the default model's three base buckets and four draft buckets took 535 s the first time
-and 224 s the next. That needs `freeze_without_mkl_packing` (MKL's packed weights, which the CPP GEMMs ignore, are
-mkldnn tensors, and a graph holding one is never cached), and each entry is keyed on the weights themselves
-(`weights_fingerprint`): inductor's key covers only their shapes, and a model of the same shapes loaded another's
-packed weights. Compiling still takes minutes, so the app compiles beside the eager model and swaps the graphs in
-when they are ready (`tuner.compile_rounds`, `app.engine.Engine.compile_in_background`). Three buckets because
-16 rows are FLOP-bound on such a machine (1 / 4 / 8 / 16 rows: 23 / 24 / 36 / 63 ms there before the C++
-wrapper): the tuner's trees stay within 8 nodes, and a larger tree verifies eagerly.
+graph cache keeps each bucket's lowered graph, C++ library and frozen weights, so a later start skips lowering,
+autotuning and the C++ build and only traces again (dynamo and AOT). That needs `freeze_without_mkl_packing` (MKL's
+packed weights, which the CPP GEMMs ignore, are mkldnn tensors, and a graph holding one is never cached), and each
+entry is keyed on the weights themselves (`weights_fingerprint`): inductor's key covers only their shapes, and a
+model of the same shapes loaded another's packed weights. Compiling takes minutes on 2 cores (a bucket of the
+default model 55-90 s the first time), so the app compiles beside the eager model and swaps the graphs in when they
+are ready (`tuner.compile_rounds`, `app.engine.Engine.compile_in_background`).
 On CUDA the rounds are CUDA graphs over static buffers instead (cuda_graphs.py; `BaseModel.compile` picks).
 """
 
@@ -48,7 +45,7 @@ import torch
 from . import few_rows
 from .base import additive_mask
 
-BUCKETS = (1, 4, 8)
+BUCKETS = (1, 8, 16)
 # inductor's GEMM backends, tried in order: the first whose graphs compile is kept (see the module docstring)
 GEMM_BACKENDS = ("CPP", "CPP,ATEN", "ATEN")
 # inductor options of every graph (with the bucket's GEMM backends). cpp_wrapper: the graph's ~400 kernel calls are

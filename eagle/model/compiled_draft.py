@@ -1,6 +1,7 @@
 """The draft head's step compiled: a head forward over m rows plus the log-probabilities of what each row predicts
 (`draft.HeadStep`), one inductor graph per bucket of rows, with the machinery of the base's graphs (compiled.py:
-weights frozen, inductor's C++ GEMMs, rows static and the context symbolic).
+weights frozen, the panel kernel for a float32 head's linears and inductor's C++ GEMMs for a bfloat16 one, rows
+static and the context symbolic).
 
 Buckets 1, 2, 4, 8 cover what a dynamic tree drafts: its width (top_k) per level and the 1 to depth + 1 tokens a
 round commits. EAGLE-3 commits fuse the base features eagerly first (`DraftHead.fuse`, one matmul), so commits and
