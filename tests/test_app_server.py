@@ -157,19 +157,24 @@ def long_prompt(engine, candidates=("w30 w31", "w36 w37 w38", "w44 w45")):
     return best, replies[best]
 
 
-def test_stop_mid_stream_then_new_message(app):
+def test_stop_mid_stream_then_new_message(app, monkeypatch):
     engine, demo = app
     prompt, full = long_prompt(engine)
     assert len(full.split()) >= 200
     c = client(demo)
     c.predict(prompt, True, api_name="/add_message")
-    job = respond(c, max_new_tokens=4096, eagle=False)  # vanilla: one token per round, slow enough to stop
+    # vanilla, one token per base forward, each held to >= 10 ms: on a fast machine the tiny model would otherwise
+    # write hundreds of tokens before the Stop lands, and the next turn's prompt would outgrow the context
+    forward = engine.model.base.forward
+    monkeypatch.setattr(engine.model.base, "forward", lambda *a, **k: time.sleep(0.01) or forward(*a, **k))
+    job = respond(c, max_new_tokens=4096, eagle=False)
     deadline = time.time() + 60
     while len(job.outputs()) < 2 and time.time() < deadline:
         time.sleep(0.005)
     assert len(job.outputs()) >= 2
     c.predict(api_name="/stop")  # the Stop button
     chat, figures = job.result(timeout=30)  # the reply ends at the next round
+    monkeypatch.undo()
     assert "stopped by you" in figures and len(chat) == 2
     chat, figures = say(c, "w32")
     assert [m["role"] for m in chat] == ["user", "assistant", "user", "assistant"]

@@ -14,6 +14,7 @@ from torch import nn
 
 from .base import additive_mask
 from .draft_head import DraftHead
+from .few_rows import few_row_kernels
 from .transfer import to_device
 from .tree import DraftTree, TreeDraft, ancestors_on_device, static_tree_levels
 
@@ -85,7 +86,8 @@ class Drafter:
         mask = additive_mask(causal, self.dtype)
         hidden = features[None].to(device=self.device, dtype=self.dtype)  # [1, n, F]
         if self.head.eagle3 and hidden.shape[-1] != self.head.config.hidden_size:
-            hidden = self.head.fuse(hidden)  # [1, n, H]: commits and expansions then share the compiled steps
+            with few_row_kernels():  # a compiled float32 head's fc takes the panel kernel (compiled_draft.py)
+                hidden = self.head.fuse(hidden)  # [1, n, H]: commits and expansions then share the compiled steps
         if self._compiled_fits(n, start):
             out, log_probs = self.compiled.run(hidden, ids, positions, mask, self.cache, start)
             self.last, self.last_log_probs = out[-1:], log_probs[-1:]

@@ -13,7 +13,7 @@ is memory bandwidth, and which kernel streams best depends on the CPU and the ro
 - "panel": the project's own kernel (panel_kernel.py, built at first use) on a weight stored once as column
   panels: every weight streamed once per forward at the machine's bandwidth, the rows' multiply-adds in vector
   registers meanwhile, so 8 rows cost about one (an AMD EPYC Zen 5, 2 threads, 141 MB of the default model's
-  layer shapes: 1 / 8 / 16 rows 2.7 / 3.3 / 7.9 ms against F.linear's 8.1 / 17 / 20). Its panels are a second
+  layer shapes: 1 / 8 / 16 rows 1.7-2.1 / 1.8-2.3 / 2.9-3.5 ms, F.linear 8.2 / 12.6 / 16.3). Its panels are a second
   copy of each weight, kept only while it fits as "packed"'s is; it is also the kernel inside compiled graphs
   (compiled.py), where inductor calls it as an operator.
 A *plan* maps each row count to a kernel: `DEFAULT_PLAN` without a measurement, or the fastest kernel per row
@@ -84,15 +84,18 @@ class FewRowLinear(nn.Linear):
             kernel = "panel" if self.plan.get(rows) == "panel" else "linear"
         else:
             kernel = self.plan.get(rows, "linear") if _enabled.get() else "linear"
-        if kernel == "linear":
+        # each copy read once: a plan swapped by another thread (the app compiles beside a running reply) frees the
+        # copies it no longer uses, and a layer whose copy is gone computes the same product with F.linear
+        copy = getattr(self, COPIES[kernel], None) if kernel in COPIES else None
+        if kernel == "linear" or (kernel in COPIES and copy is None):
             return super().forward(x)
         if kernel == "panel":
-            return torch.ops.eagle.panel_linear(x, self.panels, self.bias, self.out_features)
+            return torch.ops.eagle.panel_linear(x, copy, self.bias, self.out_features)
         flat = x.reshape(rows, x.shape[-1])  # [rows, in]
         if kernel == "packed":
             pad = flat.new_zeros(PACKED_ROWS - rows, flat.shape[1])
             padded = torch.cat((flat, pad)) if rows < PACKED_ROWS else flat.contiguous()  # [PACKED_ROWS, in]
-            out = torch.ops.mkl._mkl_linear(padded, self.packed, self.weight, self.bias, PACKED_ROWS)[:rows]
+            out = torch.ops.mkl._mkl_linear(padded, copy, self.weight, self.bias, PACKED_ROWS)[:rows]
         else:
             if rows % 2:
                 flat = torch.cat((flat, flat[:1]))  # [rows + 1, in]: an even column count
@@ -136,13 +139,14 @@ def set_plan(model: nn.Module, plan: dict[int, str]) -> dict[int, str]:
     for kernel, attr in COPIES.items():
         if kernel in plan.values() and not (kernel in usable and _copy_fits(layers, attr)):
             plan = {rows: "linear" if k == kernel else k for rows, k in plan.items()}
-    for layer in layers:
+    for layer in layers:  # copies made before the plan names them, freed after it stops naming them
+        for kernel, attr in COPIES.items():
+            if kernel in plan.values() and getattr(layer, attr) is None:
+                setattr(layer, attr, _copy(kernel, layer.weight))
         layer.plan = plan
         for kernel, attr in COPIES.items():
             if kernel not in plan.values():
                 setattr(layer, attr, None)
-            elif getattr(layer, attr) is None:
-                setattr(layer, attr, _copy(kernel, layer.weight))
     return plan
 
 

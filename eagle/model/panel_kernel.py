@@ -82,7 +82,9 @@ def _build_and_load() -> None:
         done = subprocess.run(_build_command(cxx, tmp), capture_output=True, text=True)
         if done.returncode != 0:
             tmp.unlink(missing_ok=True)
-            raise RuntimeError(f"{cxx} failed on {SOURCE.name}: {(done.stderr or done.stdout).strip()[-400:]}")
+            lines = (done.stderr or done.stdout).strip().splitlines() or [f"exit status {done.returncode}"]
+            first_error = next((line for line in lines if "error" in line), lines[-1])
+            raise RuntimeError(f"{cxx} failed on {SOURCE}: {first_error.strip()}")
         tmp.replace(path)
     torch.ops.load_library(str(path))
     torch.library.register_fake("eagle::panel_linear")(_panel_linear_shape)  # shapes for tracing (compiled.py)
@@ -98,7 +100,7 @@ def available(log=None) -> bool:
                 _build_and_load()
                 _state["ok"] = True
             except Exception as e:  # noqa: BLE001 - any build or load failure means: use the other kernels
-                _state.update(ok=False, why=f"{type(e).__name__}: {str(e).strip().splitlines()[-1:]}")
+                _state.update(ok=False, why=f"{type(e).__name__}: {' '.join(str(e).split())}")
                 if log:
                     log(f"panel kernel unavailable ({_state['why']}); decode-sized linears use the other kernels")
         return _state["ok"]
