@@ -1,6 +1,10 @@
 """The panel kernel (eagle/model/panel_kernel.py, panel_linear.cpp): built here with the machine's compiler,
 F.linear's product for any shape, each row independent of the others, and cached per source, torch and CPU."""
 
+import platform
+import subprocess
+import sys
+
 import pytest
 import torch
 from torch import nn
@@ -100,3 +104,37 @@ def test_the_library_is_cached_per_cpu_and_source(monkeypatch):
     assert here.is_file() and here == panel_kernel._state["path"]
     monkeypatch.setattr(panel_kernel, "_cpu_identity", lambda: "model name: another CPU\nflags: avx2\n")
     assert panel_kernel.library_path(cxx) != here
+
+
+CHECK = """
+import sys, torch
+torch.ops.load_library(sys.argv[1])
+nb = torch.ops.eagle.panel_width()
+assert nb == 16, nb  # the AVX2 build
+def pack(w):
+    n, k = w.shape
+    p = torch.zeros(-(-n // nb) * nb, k)
+    p[:n] = w
+    return p.view(-1, nb, k).transpose(1, 2).contiguous()
+for n, k in [(1, 1), (15, 7), (16, 64), (17, 64), (200, 96)]:
+    for rows in (1, 4, 5, 6, 7, 12, 13, 16, 17):
+        w, b, x = torch.randn(n, k), torch.randn(n), torch.randn(2, rows, k)
+        for bias in (None, b):
+            out = torch.ops.eagle.panel_linear(x, pack(w), bias, n)
+            torch.testing.assert_close(out, torch.nn.functional.linear(x, w, bias), rtol=1e-5, atol=1e-5)
+x, w = torch.randn(1, 64), torch.randn(100, 64)
+alone = torch.ops.eagle.panel_linear(x, pack(w), None, 100)
+for rows in (2, 7, 13, 16):
+    rest = 100 * torch.randn(rows - 1, 64)
+    assert torch.equal(torch.ops.eagle.panel_linear(torch.cat([rest, x]), pack(w), None, 100)[-1:], alone)
+"""
+
+
+@needs_kernel
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="-mno-avx512f is an x86 flag")
+def test_the_avx2_build_computes_the_same(tmp_path):
+    """CI machines differ (AVX2 only, or AVX-512): the code for the other one is built and checked here too, in a
+    process of its own (one process loads one library of the operator)."""
+    library = tmp_path / "panel_linear_avx2.so"
+    subprocess.run(panel_kernel.build_command(panel_kernel._compiler(), library, ("-mno-avx512f",)), check=True)
+    subprocess.run([sys.executable, "-c", CHECK, str(library)], check=True, timeout=120)

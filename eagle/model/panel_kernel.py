@@ -46,14 +46,16 @@ def _compiler() -> str | None:
     return shutil.which(os.environ.get("CXX") or "g++")
 
 
-def _build_command(cxx: str, out: Path) -> list[str]:
+def build_command(cxx: str, out: Path, flags: tuple[str, ...] = ()) -> list[str]:
+    """The compiler's command line for the library at `out`; `flags` go after -march=native (the tests build the
+    AVX2 code on AVX-512 machines with -mno-avx512f)."""
     from torch.utils import cpp_extension
 
     includes = [f"-I{p}" for p in cpp_extension.include_paths()]
     torch_lib = os.path.join(os.path.dirname(torch.__file__), "lib")
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
     return [
-        cxx, "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++20", "-w",
+        cxx, "-O3", "-march=native", *flags, "-fopenmp", "-shared", "-fPIC", "-std=c++20", "-w",
         f"-D_GLIBCXX_USE_CXX11_ABI={abi}", *includes, str(SOURCE),
         f"-L{torch_lib}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{torch_lib}", "-o", str(out),
     ]  # fmt: skip
@@ -79,7 +81,7 @@ def _build_and_load() -> None:
     if not path.is_file():
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        done = subprocess.run(_build_command(cxx, tmp), capture_output=True, text=True)
+        done = subprocess.run(build_command(cxx, tmp), capture_output=True, text=True)
         if done.returncode != 0:
             tmp.unlink(missing_ok=True)
             lines = (done.stderr or done.stdout).strip().splitlines() or [f"exit status {done.returncode}"]
@@ -93,7 +95,7 @@ def _build_and_load() -> None:
 
 def available(log=None) -> bool:
     """Whether `torch.ops.eagle.panel_linear` can run here: built (or found in the cache) and loaded on first call.
-    The first failure is logged once with its reason."""
+    A failure is said once, with its reason, in `log` (default: a line on stderr)."""
     with _lock:
         if "ok" not in _state:
             try:
@@ -101,9 +103,13 @@ def available(log=None) -> bool:
                 _state["ok"] = True
             except Exception as e:  # noqa: BLE001 - any build or load failure means: use the other kernels
                 _state.update(ok=False, why=f"{type(e).__name__}: {' '.join(str(e).split())}")
-                if log:
-                    log(f"panel kernel unavailable ({_state['why']}); decode-sized linears use the other kernels")
+                (log or _stderr)(f"panel kernel unavailable ({_state['why']}); decode-sized linears use the other "
+                                 "kernels")  # fmt: skip
         return _state["ok"]
+
+
+def _stderr(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
 
 
 def width() -> int:
