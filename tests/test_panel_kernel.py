@@ -1,9 +1,11 @@
 """The panel kernel (eagle/model/panel_kernel.py, panel_linear.cpp): built here with the machine's compiler,
 F.linear's product for any shape, each row independent of the others, and cached per source, torch and CPU."""
 
+import os
 import platform
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -108,14 +110,9 @@ def test_the_library_is_cached_per_cpu_and_source(monkeypatch):
 
 CHECK = """
 import sys, torch
+from eagle.model.panel_kernel import pack, width
 torch.ops.load_library(sys.argv[1])
-nb = torch.ops.eagle.panel_width()
-assert nb == 16, nb  # the AVX2 build
-def pack(w):
-    n, k = w.shape
-    p = torch.zeros(-(-n // nb) * nb, k)
-    p[:n] = w
-    return p.view(-1, nb, k).transpose(1, 2).contiguous()
+assert width() == 16, width()  # the AVX2 build
 for n, k in [(1, 1), (15, 7), (16, 64), (17, 64), (200, 96)]:
     for rows in (1, 4, 5, 6, 7, 12, 13, 16, 17):
         w, b, x = torch.randn(n, k), torch.randn(n), torch.randn(2, rows, k)
@@ -137,4 +134,6 @@ def test_the_avx2_build_computes_the_same(tmp_path):
     process of its own (one process loads one library of the operator)."""
     library = tmp_path / "panel_linear_avx2.so"
     subprocess.run(panel_kernel.build_command(panel_kernel._compiler(), library, ("-mno-avx512f",)), check=True)
-    subprocess.run([sys.executable, "-c", CHECK, str(library)], check=True, timeout=120)
+    root = str(Path(__file__).resolve().parents[1])  # the project, for eagle.model.panel_kernel.pack
+    subprocess.run([sys.executable, "-c", CHECK, str(library)], check=True, timeout=120,
+                   env={**os.environ, "PYTHONPATH": root})  # fmt: skip

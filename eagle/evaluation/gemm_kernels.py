@@ -65,10 +65,9 @@ def measure(n: int, k: int, layers: int, rows: int, dtype: torch.dtype, variants
     with torch.inference_mode():
         for options in variants:
             if options == "panel":
-                graph = panel_stack(stack)
+                graph, inductor = panel_stack(stack), {}
             else:
-                graph = torch.compile(copy.deepcopy(stack), dynamic=False)
-            inductor = {} if options == "panel" else options
+                graph, inductor = torch.compile(copy.deepcopy(stack), dynamic=False), options
             with torch._inductor.config.patch({**OPTIONS, "fx_graph_cache": False, **inductor}):
                 out = graph(x)  # compiles under the variant's options
             error = max(float((a.float() - lin(x).float()).abs().max()) for a, lin in zip(out, stack.linears))

@@ -141,12 +141,13 @@ class BucketGraphs:
 
     def __init__(self, fn, buckets, weights: tuple[torch.nn.Module, ...], what: str):
         """weights: the modules whose weights `fn` reads (frozen into the graphs; inductor's C++ graphs are for
-        CPU); what: named in the refusal."""
+        CPU), the one whose linears the graphs run first; what: named in the refusal."""
         if any(t.device.type != "cpu" for module in weights for t in module.parameters()):
             raise ValueError(f"{what} are built for CPU (inductor) only; on CUDA, cuda_graphs.py builds them")
         use_project_inductor_cache()
         freeze_without_mkl_packing()
         self.cache_key_tag = weights_fingerprint(*weights)
+        self.model = weights[0]
         self.fn = fn
         self.buckets = tuple(sorted(buckets))
         self.backend: dict[int, int] = {}  # rows -> index into GEMM_BACKENDS
@@ -158,6 +159,10 @@ class BucketGraphs:
 
     def gemms(self, rows: int) -> str:
         return GEMM_BACKENDS[self.backend.get(rows, 0)]
+
+    def linears(self, rows: int) -> str:
+        """What the graph of `rows` runs its linears on, for the compile log."""
+        return "panel kernel" if few_rows.plan_of(self.model) else f"GEMMs: {self.gemms(rows)}"
 
     def _graph(self, rows: int):
         if rows not in self.graphs:
@@ -264,6 +269,6 @@ class CompiledDecode:
                 cache.crop_to(context)
                 seconds[rows] = time.perf_counter() - t0
                 if log:
-                    linears = "panel kernel" if few_rows.plan_of(self.base.model) else f"GEMMs: {self.graphs.gemms(rows)}"
-                    log(f"compiled the {rows}-row forward in {seconds[rows]:.1f} s (linears: {linears})")
+                    log(f"compiled the {rows}-row forward in {seconds[rows]:.1f} s "
+                        f"(linears: {self.graphs.linears(rows)})")  # fmt: skip
         return seconds

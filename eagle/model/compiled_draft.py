@@ -70,7 +70,6 @@ class CompiledDraft:
                          torch.arange(context, context + rows)[None], additive_mask(allowed, dtype), cache, context)  # fmt: skip
                 seconds[rows] = time.perf_counter() - t0
                 if log:
-                    linears = "panel kernel" if few_rows.plan_of(head) else f"GEMMs: {self.graphs.gemms(rows)}"
                     log(f"compiled the {rows}-row draft step ({head.dtype_name}) in {seconds[rows]:.1f} s "
-                        f"(linears: {linears})")  # fmt: skip
+                        f"(linears: {self.graphs.linears(rows)})")  # fmt: skip
         return seconds
