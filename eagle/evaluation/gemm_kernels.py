@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from eagle.model import few_rows, panel_kernel
-from eagle.model.compiled import OPTIONS
+from eagle.model.compiled import OPTIONS, freeze_without_mkl_packing
 from eagle.model.tuner import cpu_description
 
 
@@ -58,6 +58,7 @@ def panel_stack(stack: Stack):
 def measure(n: int, k: int, layers: int, rows: int, dtype: torch.dtype, variants: list[dict], repeats: int = 40):
     """One row per variant: {options, ms, gb_s, gflop_s, error} (error: max |compiled - eager|)."""
     torch.manual_seed(0)
+    freeze_without_mkl_packing()  # frozen as compiled.py freezes (and a later graph of this process can be cached)
     stack = Stack(n, k, layers).eval().to(dtype)
     x = torch.randn(rows, k, dtype=dtype)
     torch._dynamo.mark_static(x, 0)
