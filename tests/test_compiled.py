@@ -123,6 +123,20 @@ def test_compile_auto_follows_the_measurement_and_failures_stay_eager(folder, mo
         load("yes")
 
 
+def test_graphs_trace_attention_with_key_value_heads_shared_not_copied(monkeypatch):
+    """While a graph traces, transformers' SDPA attention takes `enable_gqa` with the tree mask (not `repeat_kv`,
+    a copy of every key/value head per query head); the setting is the scope's alone. Fails if transformers drops
+    the switch (compiled.kv_heads_shared then needs another way)."""
+    from transformers.integrations.sdpa_attention import use_gqa_in_sdpa
+
+    monkeypatch.delenv("TRANSFORMERS_SDPA_FORCE_GQA", raising=False)
+    mask, kv = torch.zeros(1, 1, 8, 24), torch.zeros(1, 2, 24, 16)
+    assert not use_gqa_in_sdpa(mask, kv, kv)
+    with compiled.kv_heads_shared():
+        assert use_gqa_in_sdpa(mask, kv, kv)
+    assert not use_gqa_in_sdpa(mask, kv, kv)
+
+
 def test_inductor_cache_goes_to_the_project_cache_unless_the_user_chose_one(monkeypatch, tmp_path):
     from torch._inductor.runtime.cache_dir_utils import cache_dir, default_cache_dir
 
@@ -144,7 +158,7 @@ def test_compiled_graphs_freeze_the_weights_and_go_to_the_disk_cache(folder, mon
     nn.Linear (dynamo lifts a custom module's weights as inputs) for inductor's own GEMMs. Either way they come
     back with their plan when compiling is undone. Inductor's graph cache keeps the frozen graphs (no MKL-packed
     weight, an mkldnn tensor it cannot store, is left in them), so a later start loads them instead of lowering
-    them again."""
+    them again. The layers that read the same input (q/k/v, gate/up) make one kernel call in a graph."""
     from torch._dynamo.utils import counters
 
     from eagle.model import few_rows, panel_kernel
@@ -168,9 +182,11 @@ def test_compiled_graphs_freeze_the_weights_and_go_to_the_disk_cache(folder, mon
             base.forward(torch.tensor([[1, 2, 3]]), torch.arange(3)[None], cache, last_logits_only=True)
             with torch.profiler.profile() as prof:
                 base.forward(torch.tensor([[4]]), torch.tensor([[3]]), cache, features=False)
-        names = {e.key for e in prof.key_averages()}
-        assert any("CompiledFxGraph" in n for n in names) and not names & {"aten::mm", "aten::addmm", "aten::linear"}
-        assert ("eagle::panel_linear" in names) == (linears == "panel")
+        names = {e.key: e.count for e in prof.key_averages()}
+        assert any("CompiledFxGraph" in n for n in names) and not names.keys() & {"aten::mm", "aten::addmm", "aten::linear"}
+        # one call for q/k/v, one for gate/up (few_rows.SIBLINGS), o and down apart, the lm_head
+        calls = 4 * model.config.num_hidden_layers + 1
+        assert names.get("eagle::panel_linear", 0) == (calls if linears == "panel" else 0)
     finally:
         base.decompile()
     assert few_rows.plan_of(model) == few_rows.uniform_plan("wxt")

@@ -71,6 +71,36 @@ def test_panel_copies_exist_only_while_the_plan_uses_them():
 
 
 @needs_kernel
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: q/k/v with biases
+def test_sibling_layers_keep_their_panels_in_one_tensor_and_compute_the_same(arch):
+    """q/k/v and gate/up (few_rows.SIBLINGS) read the same input: their panels are made as one tensor, each layer's
+    own a view of it, and the siblings' product sliced to a layer's columns (what a graph computes) is that layer's
+    own product, bit for bit, whatever their widths (zero columns pad each one's last panel)."""
+    from tiny import tiny_base
+
+    model = tiny_base(arch, layers=1, hidden_size=40, intermediate_size=56)  # q 40, k and v 20 columns
+    install(model, uniform_plan("panel"))
+    layer = model.model.layers[0]
+    groups = [[layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj],
+              [layer.mlp.gate_proj, layer.mlp.up_proj]]  # fmt: skip
+    x = torch.randn(1, 5, 40)
+    for group in groups:
+        shared = group[0].siblings.panels
+        for linear in group:
+            assert linear.siblings.panels is shared
+            assert linear.panels.data_ptr() == shared.data_ptr() + linear.siblings.start * shared.shape[1] * 4
+            assert torch.equal(linear.panels, panel_kernel.pack(linear.weight))
+            s = linear.siblings
+            together = torch.ops.eagle.panel_linear(x, s.panels, s.bias, s.out_features)
+            alone = torch.ops.eagle.panel_linear(x, linear.panels, linear.bias, linear.out_features)
+            assert torch.equal(together[..., s.start : s.start + linear.out_features], alone)
+            torch.testing.assert_close(alone, nn.functional.linear(x, linear.weight, linear.bias), rtol=1e-5, atol=1e-5)
+    assert layer.self_attn.o_proj.siblings is None and layer.mlp.down_proj.siblings is None
+    set_plan(model, {1: "wxt"})
+    assert all(m.panels is None and m.siblings is None for m in few_rows._layers(model))
+
+
+@needs_kernel
 def test_a_traced_graph_calls_the_panel_kernel_for_the_rows_the_plan_gives_it():
     """In a graph (compiled.py traces the base), the rows planned for "panel" call the operator, other rows F.linear."""
     from torch._dynamo.testing import CompileCounterWithBackend

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -38,6 +39,10 @@ PACKED_ROWS = 16
 MAX_ROWS = PACKED_ROWS
 KERNELS = ("linear", "wxt", "packed", "panel")
 COPIES = {"packed": "packed", "panel": "panels"}  # kernels that keep a copy of each weight -> the attribute
+# Linears that transformers' decoder layers call one after another on the same input (attention's q/k/v, the MLP's
+# gate/up). Their panels are made as one tensor, each layer's a view of its part, so that in a graph all of them
+# call the kernel once (FewRowLinear.forward).
+SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 DEFAULT_PLAN = {1: "linear", **{rows: "packed" for rows in range(2, MAX_ROWS + 1)}}
 _enabled = contextvars.ContextVar("few_row_kernels", default=False)
 
@@ -69,14 +74,16 @@ def uniform_plan(kernel: str) -> dict[int, str]:
 class FewRowLinear(nn.Linear):
     """nn.Linear whose forward takes its plan's kernel for the row count inside `few_row_kernels()`.
 
-    `plan` (rows -> kernel, shared by the layers of one model), `packed` (the MKL-packed weight, or None) and
-    `panels` (the panel kernel's copy, or None) are plain attributes: parameters and state dict keys stay
-    nn.Linear's. In a compiled graph (compiled.py; the rows are static there) rows the plan gives to "panel" call
-    the panel kernel and any other rows F.linear, whether or not `few_row_kernels()` was entered."""
+    `plan` (rows -> kernel, shared by the layers of one model), `packed` (the MKL-packed weight, or None),
+    `panels` (the panel kernel's copy, or None) and `siblings` (see `Siblings`, or None) are plain attributes:
+    parameters and state dict keys stay nn.Linear's. In a compiled graph (compiled.py; the rows are static there)
+    rows the plan gives to "panel" call the panel kernel and any other rows F.linear, whether or not
+    `few_row_kernels()` was entered."""
 
     plan: dict[int, str]
     packed: torch.Tensor | None
     panels: torch.Tensor | None
+    siblings: "Siblings | None"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
@@ -90,6 +97,12 @@ class FewRowLinear(nn.Linear):
         if kernel == "linear" or (kernel in COPIES and copy is None):
             return super().forward(x)
         if kernel == "panel":
+            siblings = self.siblings
+            if siblings is not None and torch.compiler.is_compiling():
+                # the siblings' product, this layer's columns of it: every sibling makes the same call on the same
+                # input, and freezing's common-subexpression pass leaves one (the graph's linears 7 -> 4 a layer)
+                out = torch.ops.eagle.panel_linear(x, siblings.panels, siblings.bias, siblings.out_features)
+                return out[..., siblings.start : siblings.start + self.out_features]
             return torch.ops.eagle.panel_linear(x, copy, self.bias, self.out_features)
         flat = x.reshape(rows, x.shape[-1])  # [rows, in]
         if kernel == "packed":
@@ -107,6 +120,16 @@ class FewRowLinear(nn.Linear):
         return out.contiguous().reshape(*x.shape[:-1], self.out_features)
 
 
+class Siblings(NamedTuple):
+    """A layer's share of its siblings' panels (SIBLINGS): all of them as one tensor, the layer's own `panels` a
+    view of it."""
+
+    panels: torch.Tensor  # [P, K, NB] the siblings' panels, one after another
+    bias: torch.Tensor | None  # [P * NB] their biases at their columns (zero past each one's own), or None
+    out_features: int  # P * NB: the columns of all the panels (a sibling's last panel may end in zero columns)
+    start: int  # the layer's first column among them
+
+
 def _layers(model: nn.Module):
     return [m for m in model.modules() if type(m) is FewRowLinear]
 
@@ -119,7 +142,7 @@ def install(model: nn.Module, plan: dict[int, str] | None = None) -> int:
         w = module.weight if type(module) is nn.Linear else None
         if w is not None and w.device.type == "cpu" and w.dtype == torch.float32:
             module.__class__ = FewRowLinear
-            module.packed = module.panels = None
+            module.packed = module.panels = module.siblings = None
             n += 1
     if n:
         set_plan(model, DEFAULT_PLAN if plan is None else plan)
@@ -139,6 +162,8 @@ def set_plan(model: nn.Module, plan: dict[int, str]) -> dict[int, str]:
     for kernel, attr in COPIES.items():
         if kernel in plan.values() and not (kernel in usable and _copy_fits(layers, attr)):
             plan = {rows: "linear" if k == kernel else k for rows, k in plan.items()}
+    if "panel" in plan.values():
+        _share_sibling_panels(model)
     for layer in layers:  # copies made before the plan names them, freed after it stops naming them
         for kernel, attr in COPIES.items():
             if kernel in plan.values() and getattr(layer, attr) is None:
@@ -147,7 +172,35 @@ def set_plan(model: nn.Module, plan: dict[int, str]) -> dict[int, str]:
         for kernel, attr in COPIES.items():
             if kernel not in plan.values():
                 setattr(layer, attr, None)
+        if "panel" not in plan.values():
+            layer.siblings = None
     return plan
+
+
+@torch.no_grad()
+def _share_sibling_panels(model: nn.Module) -> None:
+    """Panels of each group of SIBLINGS made as one tensor, the siblings' own one after another, where every sibling
+    is a few-row layer without panels yet, all read the same input width and all or none have a bias."""
+    for parent in model.modules():
+        for names in SIBLINGS:
+            layers = [getattr(parent, name, None) for name in names]
+            if not all(type(layer) is FewRowLinear and layer.panels is None for layer in layers):
+                continue
+            if len({layer.in_features for layer in layers}) > 1 or len({layer.bias is None for layer in layers}) > 1:
+                continue
+            own = [_copy("panel", layer.weight) for layer in layers]  # [P_i, K, NB] each
+            panels = torch.cat(own)  # [P, K, NB]
+            nb = panels.shape[2]
+            torch._dynamo.mark_static(panels)
+            bias = None if layers[0].bias is None else panels.new_zeros(panels.shape[0] * nb)  # [P * NB]
+            first = 0  # the layer's first panel
+            for layer, p in zip(layers, own):
+                layer.panels = panels[first : first + p.shape[0]]
+                torch._dynamo.mark_static(layer.panels)
+                if bias is not None:
+                    bias[first * nb : first * nb + layer.out_features] = layer.bias
+                layer.siblings = Siblings(panels, bias, panels.shape[0] * nb, first * nb)
+                first += p.shape[0]
 
 
 @torch.no_grad()
@@ -184,7 +237,7 @@ def uninstall(model: nn.Module) -> int:
     n = 0
     for module in _layers(model):
         module.__class__ = nn.Linear
-        del module.plan, module.packed, module.panels
+        del module.plan, module.packed, module.panels, module.siblings
         n += 1
     return n
 
