@@ -11,7 +11,7 @@ The linears are the panel kernel (panel_kernel.py), called by the graphs as an o
 once: it streams every weight once per forward whatever the rows, so on a 2-core AMD EPYC (Zen 5) a compiled pass
 over 1 / 8 / 16 rows of the default model took 14.0 / 15.9 / 19.8 ms, and trees of 8 and 16 nodes pay. The small
 operations between the matmuls (norms, rotary, residuals) fuse into a few C++/OpenMP loops per layer, and the
-graph's ~400 kernel calls are made from C++ (`cpp_wrapper`); once a bucket has run, dynamo checks only the guards
+graph's kernel calls are made from C++ (`cpp_wrapper`); once a bucket has run, dynamo checks only the guards
 that tell the graphs apart (`BucketGraphs.call`). The other weights are frozen into the graphs (inductor's
 `freezing`). Where the panel kernel cannot be built, the matmuls are inductor's own C++ GEMM micro-kernels
 (`max_autotune`, backend CPP), packed at compile time for the bucket's rows; they stream a 1-row step at the
@@ -49,7 +49,7 @@ from .base import additive_mask
 BUCKETS = (1, 8, 16)
 # inductor's GEMM backends, tried in order: the first whose graphs compile is kept (see the module docstring)
 GEMM_BACKENDS = ("CPP", "CPP,ATEN", "ATEN")
-# inductor options of every graph (with the bucket's GEMM backends). cpp_wrapper: the graph's ~400 kernel calls are
+# inductor options of every graph (with the bucket's GEMM backends). cpp_wrapper: the graph's kernel calls are
 # made from C++, not from a Python function (a 1-row step of the default model 24 -> 20.5 ms on an AMD EPYC).
 # Timings measured with other options are not reused (the tuner's cache keys name them).
 OPTIONS = {"freezing": True, "max_autotune": True, "cpp_wrapper": True}
