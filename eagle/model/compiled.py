@@ -98,7 +98,8 @@ def kv_heads_shared():
     (`enable_gqa`) instead of copied to every one (`repeat_kv`, which it does in graphs with a mask): a 1-row step of
     the default model (3 key/value heads for 9) 14.4 -> 13.6 ms at 256 cached positions, 16.7 -> 15.8 at 1024, the
     same logits bit for bit (AMD EPYC Zen 5, 2 threads). Its switch is the variable TRANSFORMERS_SDPA_FORCE_GQA,
-    read where the attention runs; an eager forward on another thread meanwhile takes the same path."""
+    read where the attention runs; an eager forward on another thread meanwhile takes the same path (the same
+    product)."""
     before = os.environ.get("TRANSFORMERS_SDPA_FORCE_GQA")
     os.environ["TRANSFORMERS_SDPA_FORCE_GQA"] = "1"
     try:
@@ -193,7 +194,9 @@ class BucketGraphs:
                 # a config scope, not torch.compile's options=: freezing is decided while dynamo traces, before
                 # those options apply (with them the weights stayed graph inputs and the GEMMs plain MKL calls)
                 with torch._inductor.config.patch(options), torch.compiler.config.patch(cache_key_tag=tag):
-                    with kv_heads_shared():  # what the graph traces (first call); later calls run it
+                    # every call, not only the tracing one: dynamo guards on the variable, so a call outside the
+                    # scope would fail its graph's guards and trace another
+                    with kv_heads_shared():
                         return graph(*args)
 
             self.graphs[rows] = call

@@ -87,7 +87,8 @@ class FewRowLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
-        if torch.compiler.is_compiling():  # in a graph: the panel kernel, or inductor's own GEMMs
+        compiling = torch.compiler.is_compiling()
+        if compiling:  # in a graph: the panel kernel, or inductor's own GEMMs
             kernel = "panel" if self.plan.get(rows) == "panel" else "linear"
         else:
             kernel = self.plan.get(rows, "linear") if _enabled.get() else "linear"
@@ -98,7 +99,7 @@ class FewRowLinear(nn.Linear):
             return super().forward(x)
         if kernel == "panel":
             siblings = self.siblings
-            if siblings is not None and torch.compiler.is_compiling():
+            if siblings is not None and compiling:
                 # the siblings' product, this layer's columns of it: every sibling makes the same call on the same
                 # input, and freezing's common-subexpression pass leaves one (the graph's linears 7 -> 4 a layer)
                 out = torch.ops.eagle.panel_linear(x, siblings.panels, siblings.bias, siblings.out_features)
@@ -188,7 +189,7 @@ def _share_sibling_panels(model: nn.Module) -> None:
                 continue
             if len({layer.in_features for layer in layers}) > 1 or len({layer.bias is None for layer in layers}) > 1:
                 continue
-            own = [_copy("panel", layer.weight) for layer in layers]  # [P_i, K, NB] each
+            own = [panel_kernel.pack(layer.weight) for layer in layers]  # [P_i, K, NB] each
             panels = torch.cat(own)  # [P, K, NB]
             nb = panels.shape[2]
             torch._dynamo.mark_static(panels)
