@@ -27,9 +27,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--base-model-path", help="base model folder or hub id (default: the model type's)")
     p.add_argument("--ea-model-path", help="EAGLE head folder or hub id (default: the model type's)")
     p.add_argument("--total-token", type=int, default=None,
-                   help="draft tree size per round; -1 = pick by timing (default: 60 on GPU, 4 on CPU)")
-    p.add_argument("--depth", type=int, default=None, help="draft tree depth (default: 7 on GPU, 3 on CPU)")
-    p.add_argument("--top-k", type=int, default=None, help="draft tree branching (default: 10 on GPU, 3 on CPU)")
+                   help="draft tree size per round; -1 = pick by timing. Default: with no tree option and a head "
+                   "that ships an acceptance profile (the embedded default's), the tree is tuned on this machine "
+                   "(size, depth and top-k; the Model panel shows the pick); else 60 on GPU, 4 on CPU")  # fmt: skip
+    p.add_argument("--depth", type=int, default=None, help="draft tree depth (default: tuned, else 7 on GPU, 3 on CPU)")
+    p.add_argument("--top-k", type=int, default=None,
+                   help="draft tree branching (default: tuned, else 10 on GPU, 3 on CPU)")  # fmt: skip
     p.add_argument("--dtype", default="auto", choices=DTYPES,
                    help="weights dtype; auto = float32 on CPU, float16 on GPU (bfloat16 for qwen2)")  # fmt: skip
     p.add_argument("--draft-dtype", default="auto", choices=DTYPES,
@@ -103,15 +106,25 @@ def load_engine(args):
     from eagle.chat.templates import default_system_prompt
 
     from .engine import Engine
+    from .idle_work import vanilla_reference
 
     mtype = model_type(args.model_type)
     if args.base_model_path or args.ea_model_path:
         print(f"Loading with model type '{mtype.name}' (its chat template) and the paths given")
     else:
         print(f"Loading model type '{mtype.name}'" + (f" ({mtype.note})" if mtype.note else ""))
+    big = mtype.base is not None and not args.base_model_path and not _cuda()
+    if big:
+        print(f"note: {mtype.base} has billions of parameters and wants a GPU; none is visible here, so it would "
+              "decode very slowly on this CPU (the embedded default, `python launch.py`, suits a CPU)")  # fmt: skip
     # compiling takes minutes: the page serves eagerly first and the compiled rounds come in when ready
-    loaded = load(mtype, args.base_model_path, args.ea_model_path, args.total_token, args.depth, args.top_k,
-                  args.dtype, args.device_map, stages=3, draft_dtype=args.draft_dtype, compile="off")  # fmt: skip
+    try:
+        loaded = load(mtype, args.base_model_path, args.ea_model_path, args.total_token, args.depth, args.top_k,
+                      args.dtype, args.device_map, stages=3, draft_dtype=args.draft_dtype, compile="off")  # fmt: skip
+    except ModelLoadError as e:
+        if big:
+            raise ModelLoadError(f"{e}\n(Also: {mtype.base} wants a GPU, and this machine shows none.)") from None
+        raise
     model = loaded.model
     info = {
         "model_type": mtype.name, "base": args.base_model_path or mtype.base or "SmolLM2-135M-Instruct (embedded)",
@@ -121,19 +134,75 @@ def load_engine(args):
     system = mtype.system_prompt or default_system_prompt(mtype.template)
     name = f"{mtype.name}: {os.path.basename(str(info['base']).rstrip('/'))} + {info['draft']} head"
     engine = Engine(model, mtype.template, args.max_length, name=name, default_system=system, info=info)
+    engine.describe = describe_forwards
     if not args.no_warmup:
-        print("[3/3] warming up (one short generation each way), then timing vanilla decoding for the speedup")
+        print("[3/3] warming up (one short generation each way); vanilla decoding is timed once the page is up")
         engine.warmup()
-        tps, _ = engine.measure_baseline()
-        print(f"      vanilla decoding: {tps:.1f} tokens/s")
-    if args.compile != "off" and loaded.device == "cpu":
-        engine.info["forwards"] += " (compiled rounds being prepared in the background)"
-        engine.compile_in_background(args.compile, lambda line: print(f"[compile] {line}"), describe_forwards)
+    start_compiled_rounds(engine, loaded, args.compile)
+    engine.add_job(vanilla_reference(engine, engine.path), first=True)  # the page's speedup needs it first
     return engine
+
+
+def start_compiled_rounds(engine, loaded, mode: str, log=lambda line: print(f"[compile] {line}")) -> None:
+    """Compiled rounds for `engine`: on CUDA, CUDA graphs captured now (seconds); on a CPU, compiled by a child
+    process (minutes the first time) and brought in by the idle work (app/idle_work.py)."""
+    from eagle.model.tuner import compile_rounds
+
+    from .idle_work import compiled_rounds, saved_verdict
+    from .precompile import ChildCompile, compiled_before
+
+    if mode == "off":
+        return
+    if loaded.device != "cpu":
+        compile_rounds(loaded.model, mode, log)
+        engine.info.update(describe_forwards(loaded.model))
+        return
+    spec = compile_spec(loaded)
+    verdict = saved_verdict(spec.key())
+    if mode == "auto" and verdict is not None and not verdict["compiled_pays"]:
+        engine.set_status("eager: compiled forwards measured slower here before (--compile on to use them anyway)")
+        return
+    if not compiled_before(spec):
+        log(f"compiling {len(spec.graphs())} graphs in a child process, paused while the model decodes")
+        engine.child = ChildCompile(spec)
+    engine.add_job(compiled_rounds(engine, engine.child, spec, mode, log))
+    engine.set_status("compiled rounds being prepared")
+
+
+def compile_spec(loaded):
+    """The graphs to compile for the loaded model: the base's buckets up to the tree's size (at least one verify
+    bucket), the draft's up to what a level or a commit of the tree spans, the head in one dtype: the base's where
+    the panel kernel runs here (a float32 head's linears then take it in the graphs), else the head's own."""
+    import torch
+
+    from eagle.model import few_rows
+    from eagle.model.compiled import BUCKETS, bucket_for
+    from eagle.model.compiled_draft import DRAFT_BUCKETS
+
+    from .precompile import CompileSpec
+
+    model, tree = loaded.model, loaded.model.tree
+    panel = "panel" in few_rows.usable_kernels() and model.base.dtype == torch.float32
+    draft_dtype = loaded.dtype if panel else model.ea_layer.dtype_name
+    verify = bucket_for(min(tree.max_nodes, max(BUCKETS)), BUCKETS)
+    draft = bucket_for(min(max(tree.top_k, tree.depth + 1), max(DRAFT_BUCKETS)), DRAFT_BUCKETS)
+    return CompileSpec(
+        base_path=loaded.base_path, head_path=loaded.head_path, dtype=loaded.dtype, draft_dtype=draft_dtype,
+        few_row_plan=few_rows.plan_of(model.base_model), threads=torch.get_num_threads(),
+        base_buckets=tuple(b for b in BUCKETS if b <= max(verify, 8)),
+        draft_buckets=tuple(b for b in DRAFT_BUCKETS if b <= draft),
+    )  # fmt: skip
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def describe_forwards(model) -> dict:
     """The Model panel's lines that change when compiled rounds come in."""
     from eagle.chat.model_types import forwards_description, tree_description
 
-    return {"tree": tree_description(model), "forwards": forwards_description(model)}
+    # the tuner's predicted tokens/s are not shown: replies' own figures are (engine.reply_figures)
+    return {"tree": tree_description(model, predictions=False), "forwards": forwards_description(model)}

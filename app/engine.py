@@ -8,22 +8,29 @@ worker thread.
 `launch.py` hands its main thread to `serve_model_calls`: from then on every round runs on the main thread,
 which also loaded and warmed up the model, whichever Gradio worker thread asks for it. Once a second thread has
 run OpenMP work, libgomp's thread teams outnumber the cores and stop spin-waiting, and every parallel product
-pays a wake-up (SmolLM2 on 2 cores: vanilla decoding 25-36 tokens/s on one thread, 13-16 after a second one).
+pays a wake-up (BENCHMARKS.md, "The app's first and second start").
+
+While no reply runs, the same thread does the idle work (`app/idle_work.py`: vanilla references, compiled rounds
+loaded and measured), one short unit at a time, and a child process compiles the rounds (`app/precompile.py`); it
+is stopped whenever the model thread works, so replies and measurements never share the cores with it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
+import time
 from concurrent.futures import Future
 from typing import Iterator, Sequence
 
 from eagle.chat.templates import FittedPrompt, Turn, build_prompt, encode, fit_turns, resolve_kind
 from eagle.model.generate import Round
 
+from .idle_work import VanillaReference, Wait
+
 LOCK_TIMEOUT_S = 300.0
-BASELINE_TOKENS = 32
-BASELINE_PROMPT = "Explain in a few sentences how a bicycle works."
+PATHS = ("eager", "compiled")
 
 
 class EngineBusy(RuntimeError):
@@ -41,15 +48,18 @@ class Engine:
         self.name = name
         self.default_system = default_system
         self.info = info or {}
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # held by a generation or an idle unit: one model user at a time
         self._calls: queue.SimpleQueue | None = None  # set while serve_model_calls runs
         self._server_thread: threading.Thread | None = None
-        self.compiling: threading.Thread | None = None  # `compile_in_background`'s thread, once started
-        self._install = None  # what puts the compiled rounds in use, once compiled (`finish_compiling`)
-        self._compile_log, self._describe = print, None
-        # (tokens/s, where it came from): vanilla decoding timed at start-up, the speedup's reference until a
-        # session measures its own (side-by-side tab, "time vanilla too", a reply with EAGLE off)
-        self.baseline: tuple[float, str] | None = None
+        self.references: dict[str, VanillaReference] = {}  # path -> vanilla timed while idle (idle_work.py)
+        self.jobs: list = []  # idle work: generators of units (idle_work.py), run in order
+        self.child = None  # the ChildCompile compiling the rounds, while there is one
+        self.activity: tuple[str, float] | None = None  # what the model thread does now and since when (monotonic)
+        self.status = ""  # what the idle work is at (compiling, loading, timing...), for the Model panel
+        self.replies: dict[str, list[tuple[int, int, float]]] = {p: [] for p in PATHS}  # (tokens, rounds, seconds)
+        self.describe = lambda model: {}  # the Model panel's lines that change with the path (cli.describe_forwards)
+        self._waiting, self._waiting_lock = 0, threading.Lock()  # generations waiting for the model (they go first)
+        self._pending: dict = {}  # job -> the line (or Wait) it announced last
 
     # prompts ---------------------------------------------------------------------------------------------
     def prompt_ids(self, turns: Sequence[Turn], system: str = "") -> list[int]:
@@ -64,24 +74,32 @@ class Engine:
         return fit_turns(turns, self.max_length - reserve, lambda t: self.prompt_ids(t, system))
 
     # generation ------------------------------------------------------------------------------------------
-    def rounds(self, ids: list[int], eagle: bool = True, temperature: float = 0.0, top_p: float = 0.0,
-               top_k: int = 0, max_new_tokens: int = 512) -> Iterator[Round]:  # fmt: skip
-        """The model's rounds for one generation, holding the model for the whole run."""
-        if not self._lock.acquire(timeout=LOCK_TIMEOUT_S):
-            raise EngineBusy("the model is busy with another generation; try again")
-        try:
-            stream = self.model.stream(
-                ids, temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=max_new_tokens,
-                max_length=self.max_length, eagle=eagle,
-            )  # fmt: skip
-            try:
-                while (r := self._on_model_thread(next, stream, None)) is not None:
-                    yield r
-            finally:
-                stream.close()
-        finally:
-            self._lock.release()
+    @property
+    def path(self) -> str:
+        """Which forwards the next generation runs: "compiled" rounds or "eager" ones. It changes only between
+        generations (on the model thread, with the lock held), so a generation's path is the one read after
+        its first round."""
+        return "compiled" if self.model.base.compiled is not None else "eager"
 
+    def reference(self, path: str | None = None) -> VanillaReference | None:
+        return self.references.get(path or self.path)
+
+    def set_reference(self, ref: VanillaReference) -> None:
+        self.references[ref.path] = ref
+
+    def record_reply(self, path: str, tokens: int, rounds: int, seconds: float) -> None:
+        """An EAGLE reply as it was made, for the Model panel's figures of each path (the last 20 kept)."""
+        self.replies[path] = [*self.replies[path][-19:], (tokens, rounds, seconds)]
+
+    def reply_figures(self, path: str | None = None) -> str:
+        done = self.replies[path or self.path]
+        if not done:
+            return ""
+        tokens, rounds, seconds = (sum(x) for x in zip(*done))
+        return (f"{tokens / seconds:.1f} tokens/s, {tokens / rounds:.2f} tokens per base forward over the last "
+                f"{len(done)} EAGLE repl{'y' if len(done) == 1 else 'ies'}")  # fmt: skip
+
+    # the model thread ----------------------------------------------------------------------------------------
     def _on_model_thread(self, fn, *args):
         calls = self._calls
         if calls is None or threading.current_thread() is self._server_thread:
@@ -91,15 +109,20 @@ class Engine:
         return done.result()
 
     def serve_model_calls(self, poll_s: float = 0.5) -> None:
-        """Run the model's work on this thread until KeyboardInterrupt or `stop_serving` (module docstring)."""
+        """Run the model's work on this thread until KeyboardInterrupt or `stop_serving` (module docstring): the
+        calls of generations, and idle work between them."""
         self._calls, self._server_thread = queue.SimpleQueue(), threading.current_thread()
         try:
             while True:
-                try:
-                    call = self._calls.get(timeout=poll_s)  # a timeout keeps Ctrl-C responsive
+                try:  # idle work runs unit after unit while there is some, checking for calls in between
+                    call = self._calls.get(timeout=0.005 if self.jobs else poll_s)
                 except queue.Empty:
-                    self.finish_compiling(wait=False)  # compiled rounds come in between replies
-                    continue
+                    if self.idle_step():
+                        continue
+                    try:  # nothing runnable: wait for a call while the child compiles
+                        call = self._calls.get(timeout=poll_s)
+                    except queue.Empty:
+                        continue
                 if call is None:
                     return
                 done, fn, args = call
@@ -109,56 +132,138 @@ class Engine:
                     done.set_exception(e)
         finally:
             self._calls = None
+            if self.child is not None:
+                self.child.stop()
 
     def stop_serving(self) -> None:
         if self._calls is not None:
             self._calls.put(None)
 
-    def compile_in_background(self, mode: str, log=print, describe=None) -> threading.Thread:
-        """Compile the rounds (eagle/model/tuner.py `compile_rounds`) on a thread of its own while replies are served
-        eagerly; `finish_compiling` puts them in use once that thread has ended. `describe(model)` (a dict) is merged
-        into `info` then. Compiling runs no model call of the app's, so the page stays responsive (it shares the
-        cores)."""
-        from eagle.model.tuner import compile_rounds
+    # using the model -----------------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _model(self, what: str, timeout: float | None = LOCK_TIMEOUT_S):
+        """Hold the model for `what`: one user at a time, and the compiling child stopped meanwhile."""
+        if timeout == 0:  # idle work: only when no generation waits for the model either
+            if self._waiting or not self._lock.acquire(blocking=False):
+                raise EngineBusy("the model is in use")
+        else:
+            with self._wanted():
+                acquired = self._lock.acquire(timeout=timeout)
+            if not acquired:
+                raise EngineBusy("the model is busy with another generation; try again")
+        try:
+            if self.child is not None:
+                self.child.pause()
+            self.activity = (what, time.monotonic())
+            yield
+        finally:
+            self.activity = None
+            if self.child is not None:
+                self.child.resume()
+            self._lock.release()
 
-        def run() -> None:
-            try:  # swap: installing waits for the thread's end (its OpenMP threads slowed the 1-row step 19 -> 40 ms)
-                compile_rounds(self.model, mode, log, swap=lambda install: setattr(self, "_install", install))
-            except Exception as e:  # noqa: BLE001 - the app keeps serving eagerly, saying why
-                log(f"compiling stopped ({type(e).__name__}: {e}); still decoding eagerly")
-
-        self._install, self._compile_log, self._describe = None, log, describe
-        self.compiling = threading.Thread(target=run, name="compile-rounds", daemon=True)
-        self.compiling.start()
-        return self.compiling
-
-    def finish_compiling(self, wait: bool = True) -> bool | None:
-        """Put compiled rounds in use once their thread has ended, between two replies, on the model thread; then
-        re-tune the tree for them (when it was tuned here) and time the vanilla baseline again. `wait`: join the
-        thread and the running reply; else return None at once if either is still going (the serving loop polls).
-        Returns whether compiled rounds are in use, or None when there is nothing (yet) to put in use."""
-        if self.compiling is None or (self.compiling.is_alive() and not wait):
+    def busy_line(self) -> str | None:
+        """What a message waits for when the model is doing idle work, or None."""
+        activity = self.activity
+        if activity is None or activity[0] == "reply":
             return None
-        self.compiling.join()
-        install, log = self._install, self._compile_log
-        compiled = None  # nothing compiled (failed, or "auto" measured eager faster before)
-        if install is not None:
-            if not self._lock.acquire(blocking=wait):
-                return None
-            try:  # no reply is being written: a cache is sized for the graphs in use when it is made
-                self._install = None
-                compiled = self._on_model_thread(install)
-                if compiled and self.model.acceptance is not None:
-                    self._on_model_thread(self.model.tune_tree, log)
-            finally:
-                self._lock.release()
-        if self._describe is not None:  # the Model panel's lines, once: how the rounds run now
-            self.info.update(self._describe(self.model))
-            self._describe = None
-        if compiled:
-            tps, _ = self.measure_baseline()
-            log(f"compiled rounds in use; vanilla decoding now {tps:.1f} tokens/s")
-        return compiled
+        return f"waiting for the model: {activity[0]} ({time.monotonic() - activity[1]:.0f} s)"
+
+    def waiting_lines(self, poll_s: float = 0.5) -> Iterator[str]:
+        """While a unit of idle work holds the model: what it is, every `poll_s`; no further unit starts meanwhile."""
+        with self._wanted():
+            while (line := self.busy_line()) is not None:
+                yield line
+                time.sleep(poll_s)
+
+    @contextlib.contextmanager
+    def _wanted(self):
+        """A generation wants the model: idle work starts no unit meanwhile."""
+        with self._waiting_lock:
+            self._waiting += 1
+        try:
+            yield
+        finally:
+            with self._waiting_lock:
+                self._waiting -= 1
+
+    def rounds(self, ids: list[int], eagle: bool = True, temperature: float = 0.0, top_p: float = 0.0,
+               top_k: int = 0, max_new_tokens: int = 512) -> Iterator[Round]:  # fmt: skip
+        """The model's rounds for one generation, holding the model for the whole run."""
+        with self._model("reply"):
+            yield from self._on_model_thread_stream(self.decode(ids, eagle, temperature, top_p, top_k, max_new_tokens))
+
+    def _on_model_thread_stream(self, stream: Iterator[Round]) -> Iterator[Round]:
+        try:
+            while (r := self._on_model_thread(next, stream, None)) is not None:
+                yield r
+        finally:
+            self._on_model_thread(stream.close)
+
+    def decode(self, ids: list[int], eagle: bool = True, temperature: float = 0.0, top_p: float = 0.0,
+               top_k: int = 0, max_new_tokens: int = 512) -> Iterator[Round]:  # fmt: skip
+        """The model's rounds, without taking the model (for work that holds it already)."""
+        return self.model.stream(ids, temperature=temperature, top_p=top_p, top_k=top_k,
+                                 max_new_tokens=max_new_tokens, max_length=self.max_length, eagle=eagle)  # fmt: skip
+
+    # idle work -----------------------------------------------------------------------------------------------
+    def add_job(self, job: Iterator, first: bool = False) -> None:
+        """Model work to run while idle, a unit per `idle_step` (app/idle_work.py), after the jobs there (or first)."""
+        self.jobs.insert(0 if first else len(self.jobs), job)
+
+    def idle_step(self) -> bool:
+        """Run one unit of the first job that has one ready, if the model is free. Returns whether a unit ran.
+
+        A job announces each unit with a line (or a `Wait`) before running it; after a `Wait` it does no model work
+        until it announces a unit, so asking it again needs no model."""
+        for job in list(self.jobs):
+            line = self._pending.pop(job, None) or self._next_unit(job)
+            if isinstance(line, Wait):
+                line = self._next_unit(job)
+            if line is None:
+                continue  # finished
+            if isinstance(line, Wait):
+                self.status = line.line
+                self._pending[job] = line
+                continue
+            try:
+                with self._model(line, timeout=0):
+                    self.status = line
+                    after = self._next_unit(job)  # runs the unit
+                if after is not None:
+                    self._pending[job] = after
+            except EngineBusy:
+                self._pending[job] = line
+                return False
+            return True
+        return False
+
+    def _next_unit(self, job):
+        """What the job announces next, running the unit it announced before; None once it has finished."""
+        try:
+            return next(job)
+        except StopIteration:
+            pass
+        except Exception as e:  # noqa: BLE001 - idle work never takes the app down; it says why it stopped
+            self.status = f"stopped: {type(e).__name__}: {e}"
+        self.jobs.remove(job)
+        return None
+
+    def run_idle_work(self, timeout: float = 900.0) -> None:
+        """Run all idle work now (waiting for the compiling child): for callers without a serving loop."""
+        end = time.monotonic() + timeout
+        while self.jobs and time.monotonic() < end:
+            if not self.idle_step():
+                time.sleep(0.2)
+
+    def set_status(self, line: str) -> None:
+        self.status = line
+
+    def compiled_in_use(self) -> None:
+        """The compiled rounds are now the path (called by the idle work that put them in use)."""
+        self.info.update(self.describe(self.model))
+        self.status = "compiled rounds in use"
+        self.child = None
 
     def warmup(self) -> None:
         """One short run of each decoder, so that the first timed reply does not pay one-off costs."""
@@ -166,12 +271,3 @@ class Engine:
         for eagle in (True, False):
             for _ in self.rounds(ids, eagle=eagle, max_new_tokens=8):
                 pass
-
-    def measure_baseline(self, tokens: int = BASELINE_TOKENS) -> tuple[float, str]:
-        """Time vanilla decoding (greedy, `tokens` new tokens of a fixed prompt) and keep it as `baseline`."""
-        ids = self.prompt_ids([(BASELINE_PROMPT, None)], self.default_system)
-        new, seconds = 0, 0.0
-        for r in self.rounds(ids, eagle=False, max_new_tokens=tokens):
-            new, seconds = new + len(r.tokens), seconds + r.seconds
-        self.baseline = (new / seconds, f"a {new}-token greedy vanilla run at start-up")
-        return self.baseline

@@ -4,12 +4,10 @@
 and diffs the text, so a character split over several byte tokens appears once it is complete, and
 tokenizers that change a word's leading space with context (SentencePiece) come out right.
 
-`render` builds the chat message: the markdown rendered here (`app.markdown_render`: lists, bold, headings,
-code and tables as HTML, sanitised), with highlighting on the accepted characters in ``<span class="acc">``. `highlighted_html` is the token view that the
-`/chat` endpoint returns: every character of the text kept as is (html-escaped, no markdown), lines kept
-with ``white-space: pre-wrap`` and fenced code in ``<pre>`` blocks, so `plain_text` gives the text back.
-Both are written on a single line (newlines as ``&#10;``) so that the chat's markdown renderer passes them
-through as one HTML block. The styles live in ``assets/app.css`` (and ``app.ui.MARKDOWN_CSS``).
+`render` builds a reply's HTML, for the chat, the side-by-side panes and the `/chat` endpoint alike: the
+markdown rendered here (`app.markdown_render`: lists, bold, headings, code and tables as HTML, sanitised), with
+highlighting on the accepted characters in ``<span class="acc">``, on a single line (newlines as ``&#10;``) so
+that the chat's markdown renderer passes it through as one HTML block. The styles live in ``assets/app.css``.
 """
 
 from __future__ import annotations
@@ -71,8 +69,6 @@ class Reply:
 
 
 # ---------------------------------------------------------------------------------------------------------
-FENCE = re.compile(r"^ {0,3}(`{3,}|~{3,})")
-
 LEGEND_HTML = (
     '<div class="eagle-legend"><span class="acc">highlighted</span> drafted by EAGLE and accepted by the base '
     "model &nbsp;·&nbsp; plain: the base model's own token of each forward pass</div>"
@@ -101,62 +97,6 @@ PLAIN_LABELS_JS = r"""() => {
 }"""
 
 
-def _escape(text: str) -> str:
-    return html.escape(text, quote=True).replace("\n", "&#10;")
-
-
-def _spans(text: str, start: int, marks: list[list[int]]) -> str:
-    """Escaped `text` (which starts at character `start` of the reply) with the marked ranges wrapped."""
-    end = start + len(text)
-    out, pos = [], start
-    for a, b in marks:
-        if b <= pos or a >= end:
-            continue
-        a, b = max(a, pos), min(b, end)
-        if a > pos:
-            out.append(_escape(text[pos - start : a - start]))
-        piece = text[a - start : b - start]
-        # whitespace alone is not wrapped: a highlighted space or newline showed as an empty orange block
-        out.append(_escape(piece) if piece.isspace() else f'<span class="acc">{_escape(piece)}</span>')
-        pos = b
-    if pos < end:
-        out.append(_escape(text[pos - start :]))
-    return "".join(out)
-
-
-def blocks(text: str) -> list[tuple[str, int, str]]:
-    """Split a reply into ("text" | "code" | "fence", start offset, content) blocks along fenced code."""
-    out: list[tuple[str, int, str]] = []
-    pos, in_code, fence = 0, False, ""
-    for line in text.splitlines(keepends=True):
-        m = FENCE.match(line)
-        if m and (not in_code or (m.group(1)[0] == fence[0] and len(m.group(1)) >= len(fence))):
-            in_code, fence = (not in_code), m.group(1)
-            out.append(("fence", pos, line))
-        else:
-            kind = "code" if in_code else "text"
-            if out and out[-1][0] == kind:
-                k, s, content = out[-1]
-                out[-1] = (k, s, content + line)
-            else:
-                out.append((kind, pos, line))
-        pos += len(line)
-    return out
-
-
-def highlighted_html(text: str, marks: list[list[int]]) -> str:
-    """One-line HTML block of the reply with accepted draft tokens in ``<span class="acc">``.
-
-    Every character of `text` is kept (newlines as ``&#10;``), so `plain_text` gives the text back."""
-    tags = {"code": ('<pre class="eagle-code"><code>', "</code></pre>"), "fence": ('<div class="eagle-fence">', "</div>"),
-            "text": ('<span class="eagle-text">', "</span>")}  # fmt: skip
-    parts = []
-    for kind, start, content in blocks(text):
-        open_tag, close_tag = tags[kind]
-        parts.append(f"{open_tag}{_spans(content, start, marks)}{close_tag}")
-    return f'<div class="eagle-tokens">{"".join(parts)}</div>'
-
-
 def render(text: str, marks: list[list[int]], highlight: bool = True) -> str:
     """The assistant message: the reply's markdown rendered and sanitised here, with the accepted draft tokens
     highlighted, or without highlights when `highlight` is off. Either way the model's text reaches the page
@@ -167,7 +107,6 @@ def render(text: str, marks: list[list[int]], highlight: bool = True) -> str:
 
 
 def plain_text(message_html: str) -> str:
-    """The text of a highlighted message (tags dropped, entities decoded): for tests and API users.
-
-    For `highlighted_html` that is the reply itself; for rendered markdown, the reply less its syntax."""
+    """The text of a rendered message (tags dropped, entities decoded): the reply less its markdown syntax; for
+    tests and API users."""
     return html.unescape(re.sub(r"<[^>]+>", "", message_html))

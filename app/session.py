@@ -19,9 +19,8 @@ from .highlight import Reply, render
 from .stats import RunStats, with_vanilla
 
 MAX_NEW_TOKENS_LIMIT = 4096
-RERUN_SOURCE = "this reply decoded again without EAGLE (same prompt and length), timed on its own"
-VANILLA_CHAT_SOURCE = "your last reply with EAGLE off"
-COMPARE_SOURCE = "your last side-by-side run"
+RERUN_SOURCE = "this reply decoded again without EAGLE (same prompt, length and forwards), timed on its own"
+COMPARE_SOURCE = "the vanilla run of this prompt beside it, timed on its own"
 
 
 @dataclass(frozen=True)
@@ -111,7 +110,6 @@ class Update:
     figures: dict = field(default_factory=dict)
     done: bool = False
     error: str | None = None  # the message could not be answered (nothing was generated)
-    vanilla: tuple[float, str] | None = None  # a vanilla tokens/s measured by this run, and what it was
     highlight: bool = True  # whether `html` marks the accepted draft tokens
 
     @property
@@ -143,10 +141,13 @@ def _run(engine, ids, stop: Callable[[], bool], **kw) -> Iterator[Round]:
 
 
 def respond(engine, message: str, turns: Sequence[Turn], settings: Settings,
-            vanilla: tuple[float, str] | None = None, stop: Callable[[], bool] = _never) -> Iterator[Update]:  # fmt: skip
-    """Answer `message` after `turns` (earlier (user, reply) pairs). `vanilla` = a known vanilla tokens/s
-    and where it came from, for the speedup figure. `stop()` is polled after every round: when it returns
-    True the reply ends there (figures stop = "stopped")."""
+            stop: Callable[[], bool] = _never) -> Iterator[Update]:  # fmt: skip
+    """Answer `message` after `turns` (earlier (user, reply) pairs). `stop()` is polled after every round: when it
+    returns True the reply ends there (figures stop = "stopped").
+
+    The speedup of an EAGLE reply is against vanilla decoding on the same path (eager or compiled forwards): this
+    prompt decoded again without EAGLE when `settings.time_vanilla`, else the engine's vanilla reference for the
+    path, timed while idle, over this reply's length and prefill. Without one (yet), no speedup is given."""
     message = clean_text(message)
     if not message.strip():
         error = "Empty message: type something first."
@@ -169,13 +170,13 @@ def respond(engine, message: str, turns: Sequence[Turn], settings: Settings,
                   f"{'were' if fit.dropped > 1 else 'was'} left out of the prompt.")  # fmt: skip
     notice = " ".join(n if n.endswith(".") else n + "." for n in notices) or None
     reply, stats = Reply(engine.tokenizer), RunStats(eagle=settings.eagle)
+    path = None  # the path this reply runs on, read after its first round (it cannot change during a run)
 
     def update(done=False, measured=None) -> Update:
-        figs = with_vanilla(stats.as_dict(), *(measured or vanilla or (None, None)))
+        figs = with_vanilla(stats.as_dict(), *(measured or reference_figures(engine, path, stats)))
         figs.update(prompt_tokens=len(fit.ids), dropped_turns=fit.dropped, notice=notice,
-                    input_notices=list(settings.notices))  # fmt: skip
-        own = (stats.tokens_per_s, VANILLA_CHAT_SOURCE) if done and not settings.eagle and stats.rounds else None
-        return Update(reply.text, [list(m) for m in reply.marks], figs, done, vanilla=measured or own,
+                    input_notices=list(settings.notices), forwards=path)  # fmt: skip
+        return Update(reply.text, [list(m) for m in reply.marks], figs, done,
                       highlight=settings.highlight and settings.eagle)  # fmt: skip
 
     measured = None
@@ -184,17 +185,21 @@ def respond(engine, message: str, turns: Sequence[Turn], settings: Settings,
             stats.stop = "stopped"
         for r in _run(engine, fit.ids, stop, eagle=settings.eagle, max_new_tokens=settings.max_new_tokens,
                       **_sampling(settings)) if not stats.stop else ():  # fmt: skip
+            path = path or engine.path
             reply.add_round(r.tokens, r.accepted)
             stats.add(r)
             yield update()
         if not stats.stop:
             stats.stop = "stopped"
-        elif settings.eagle and settings.time_vanilla and stats.new_tokens and stats.stop != "stopped":
+        elif settings.eagle and stats.new_tokens:
+            engine.record_reply(path, stats.new_tokens, stats.rounds, stats.seconds)
+        if settings.eagle and settings.time_vanilla and stats.new_tokens and stats.stop != "stopped":
             yield update()  # the reply is complete; the figures wait for the vanilla run
-            base = RunStats(eagle=False)
+            base, base_path = RunStats(eagle=False), None
             for r in _run(engine, fit.ids, stop, eagle=False, max_new_tokens=stats.new_tokens, **_sampling(settings)):
+                base_path = base_path or engine.path
                 base.add(r)
-            if base.stop:  # finished, not stopped
+            if base.stop and base_path == path:  # finished, not stopped, on the same forwards
                 measured = (base.tokens_per_s, RERUN_SOURCE)
     except Exception as e:  # never lose the session over one failed generation
         final = update(done=True)
@@ -206,12 +211,27 @@ def respond(engine, message: str, turns: Sequence[Turn], settings: Settings,
     yield update(done=True, measured=measured)
 
 
+def reference_figures(engine, path: str | None, stats: RunStats) -> tuple[float | None, str | None]:
+    """(vanilla tokens/s, source) for an EAGLE reply on `path` from the engine's reference for that path, projected
+    onto the reply's length and prefill; (None, why) while there is none."""
+    if not stats.eagle or path is None or not stats.new_tokens:
+        return None, None
+    ref = engine.reference(path)
+    if ref is None:
+        return None, f"timing vanilla decoding on {path} forwards… (no speedup until then)"
+    seconds = ref.seconds(stats.first_round_s, stats.new_tokens)
+    return stats.new_tokens / seconds, f"{ref.source}, over this reply's length and prefill"
+
+
 @dataclass
 class Pane:
     text: str = ""
     marks: list = field(default_factory=list)
     figures: dict = field(default_factory=dict)
     running: bool = False
+    # [[t, chars, tokens]] after each round: t = decoding seconds so far (the figures' elapsed_s), chars =
+    # len(text) then (text only grows: text[:chars] is what was shown), tokens = new tokens then
+    timeline: list = field(default_factory=list)
 
     @property
     def html(self) -> str:
@@ -229,7 +249,8 @@ class Comparison:
 
 
 def compare(engine, message: str, settings: Settings, stop: Callable[[], bool] = _never) -> Iterator[Comparison]:
-    """Vanilla first, then EAGLE, on the same prompt and settings; never at the same time."""
+    """Vanilla first, then EAGLE, on the same prompt and settings; never at the same time. Each pane records
+    its run's timeline (`Pane.timeline`), for the race played back afterwards (`app.race`)."""
     message = clean_text(message)
     panes = Comparison(Pane(), Pane(), {})
     if not message.strip():
@@ -240,13 +261,16 @@ def compare(engine, message: str, settings: Settings, stop: Callable[[], bool] =
     one = replace(settings, time_vanilla=False, highlight=True)
     vanilla_tps = None
     for pane, eagle in ((panes.vanilla, False), (panes.eagle, True)):
-        pane.running = True
+        pane.running, rounds = True, 0
         for u in respond(engine, message, [], replace(one, eagle=eagle), stop=stop):
             if u.error and not u.text:
                 panes.error, panes.done = u.error, True
                 yield panes
                 return
             pane.text, pane.marks, pane.figures = u.text, u.marks, u.figures
+            if u.figures.get("rounds", 0) > rounds:  # a round's update (not the final one, which repeats it)
+                rounds = u.figures["rounds"]
+                pane.timeline.append([u.figures["elapsed_s"], len(u.text), u.figures["new_tokens"]])
             if eagle and vanilla_tps:
                 pane.figures = with_vanilla(u.figures, vanilla_tps, COMPARE_SOURCE)
             panes.summary = summary(panes)
@@ -266,6 +290,8 @@ def summary(c: Comparison, greedy: bool = False) -> dict:
     if "stopped" in (c.vanilla.figures.get("stop"), c.eagle.figures.get("stop")):
         return {"stopped": True}
     v, e = c.vanilla.figures.get("tokens_per_s"), c.eagle.figures.get("tokens_per_s")
+    if c.vanilla.figures.get("forwards") != c.eagle.figures.get("forwards") and not c.eagle.running and e:
+        v = None  # compiled rounds came in between the two runs: not a fair pair
     out = {"vanilla_tokens_per_s": v, "eagle_tokens_per_s": e,
            "speedup": round(e / v, 2) if v and e and not c.eagle.running else None,
            "mean_accepted_tokens_per_forward": c.eagle.figures.get("mean_accepted_tokens_per_forward")}  # fmt: skip

@@ -28,9 +28,12 @@ class RunStats:
     rounds: int = 0
     accepted: int = 0  # draft tokens accepted, over all rounds
     seconds: float = 0.0
+    first_round_s: float = 0.0  # the prefill's round: the same base pass whichever the decoder
     stop: str | None = None
 
     def add(self, r: Round) -> None:
+        if not self.rounds:
+            self.first_round_s = r.seconds
         self.new_tokens += len(r.tokens)
         self.rounds += 1
         self.accepted += r.accepted
@@ -62,7 +65,7 @@ def with_vanilla(figures: dict, vanilla_tps: float | None, source: str | None) -
     """Add the vanilla reference and the speedup (EAGLE runs only) to a figures dict."""
     out = dict(figures)
     out["vanilla_tokens_per_s"] = round(vanilla_tps, 2) if vanilla_tps else None
-    out["vanilla_source"] = source if vanilla_tps else None
+    out["vanilla_source"] = source
     eagle_tps = figures.get("tokens_per_s") or 0.0
     ok = vanilla_tps and figures.get("mode") == "eagle" and eagle_tps > 0
     out["speedup"] = round(eagle_tps / vanilla_tps, 2) if ok else None
@@ -86,6 +89,7 @@ def figures_html(fig: dict | None, running: bool = False) -> str:
         ("new tokens", _num(fig.get("new_tokens"), "{:d}")),
         ("elapsed (decoding)", _num(fig.get("elapsed_s"), "{:.2f}", " s")),
         ("vanilla tokens/s", _num(fig.get("vanilla_tokens_per_s"))),
+        ("forwards", {"compiled": "compiled rounds", "eager": "eager"}.get(fig.get("forwards") or "", "–")),
     ]
     body = "".join(f"<tr><td>{html.escape(k)}</td><td>{html.escape(v)}</td></tr>" for k, v in rows)
     speedup = fig.get("speedup")

@@ -14,11 +14,14 @@ import gradio as gr
 
 from .handlers import make_handlers, new_state, summary_html
 from .highlight import LEGEND_HTML, PLAIN_LABELS_JS
+from .race import SPEEDS as RACE_SPEEDS
 from .session import MAX_NEW_TOKENS_LIMIT
 from .stats import figures_html
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 MODEL_GROUP = "model"
+MODEL_PANEL_EVERY_S = 3.0
+SAVED_KEY = "eagle-chat"  # the browser's local storage key of the saved conversation
 
 MEASURE_NOTE = (
     "**How the speedup is measured.** The same prompt (no chat history, the system prompt and settings on the "
@@ -26,6 +29,11 @@ MEASURE_NOTE = (
     "EAGLE, one after the other on the same model, never at the same time. Tokens/s = new tokens ÷ the summed "
     "wall time of the decoding rounds (prompt prefill included, page rendering excluded). "
     "Speedup = EAGLE tokens/s ÷ vanilla tokens/s. At temperature 0 both texts must be identical: EAGLE is lossless."
+)
+RACE_NOTE = (
+    "**The race.** After both runs, the two replies play back side by side at the pace each was decoded: every "
+    "round's tokens appear at the time the round ended in its own run (its decoding time so far), with that run's "
+    "tokens/s so far under it. **Replay** plays it again without decoding again."
 )
 FIGURES_NOTE = (
     "Tokens/s = new tokens ÷ decoding time. Mean accepted tokens / base forward = new tokens ÷ rounds "
@@ -62,11 +70,21 @@ def _logo() -> str:
 # layout --------------------------------------------------------------------------------------------------
 def model_info_md(engine) -> str:
     i = engine.info
+    reference = engine.reference()
     rows = [("model type", i.get("model_type")), ("base", i.get("base")), ("head", i.get("head")),
             ("draft", i.get("draft")), ("tree", i.get("tree")), ("forwards", i.get("forwards")),
+            ("in the background", engine.status if engine.jobs or engine.child else None),
+            ("EAGLE replies", engine.reply_figures()),
+            ("vanilla reference", f"{1 / reference.step_s:.1f} tokens/s per step ({reference.source})"
+             if reference else f"being timed ({engine.path} forwards)"),
             ("dtype / device", i.get("dtype_device")),
             ("context", f"{engine.max_length:,} tokens"), ("template", engine.template)]  # fmt: skip
     return "\n".join(f"- **{k}**: `{v}`" for k, v in rows if v)
+
+
+def model_panel(engine):
+    """The Model panel now, and whether to look again (while idle work is left)."""
+    return model_info_md(engine), gr.Timer(active=bool(engine.jobs or engine.child))
 
 
 def build(engine, max_new_tokens: int = 512, title: str = "EAGLE speculative decoding") -> gr.Blocks:
@@ -74,6 +92,9 @@ def build(engine, max_new_tokens: int = 512, title: str = "EAGLE speculative dec
     default_new = max(1, min(int(max_new_tokens), MAX_NEW_TOKENS_LIMIT))
     with gr.Blocks(title=title) as demo:
         state = gr.State(new_state())
+        # the answered turns and last figures, in the browser's local storage (handlers.saved_conversation), for a
+        # reload; saved at the end of each reply and by Clear; unreadable after a restart of the app (a new secret)
+        saved = gr.BrowserState(None, storage_key=SAVED_KEY)
         gr.HTML(
             f'<div class="eagle-header"><div class="eagle-logo">{_logo()}</div><div><h1>{html.escape(title)}</h1>'
             f"<p>The draft head proposes a tree of tokens; the base model checks them all in one forward pass and "
@@ -84,7 +105,8 @@ def build(engine, max_new_tokens: int = 512, title: str = "EAGLE speculative dec
                 with gr.Tabs():
                     with gr.Tab("Chat", id="chat"):
                         chatbot = gr.Chatbot(
-                            height=480, label="Chat", elem_id="chat", latex_delimiters=[], feedback_options=None,
+                            height=480, label="Chat", show_label=False, elem_id="chat", latex_delimiters=[],
+                            feedback_options=None,
                             buttons=["copy_all"], placeholder="Ask something: the reply streams in as the base "
                             "model accepts the draft's tokens.",
                         )  # fmt: skip
@@ -105,6 +127,7 @@ def build(engine, max_new_tokens: int = 512, title: str = "EAGLE speculative dec
                                                  show_label=False, scale=6, lines=1, max_lines=6, elem_id="cmp_msg")  # fmt: skip
                             cmp_run = gr.Button("Run both", variant="primary", scale=1, min_width=80)
                             cmp_stop = gr.Button("Stop", variant="stop", scale=1, min_width=80, interactive=False)
+                            replay = gr.Button("Replay", scale=1, min_width=80, elem_id="replay")
                         summary = gr.HTML(summary_html({}, False))
                         with gr.Row(equal_height=True):
                             with gr.Column():
@@ -115,7 +138,11 @@ def build(engine, max_new_tokens: int = 512, title: str = "EAGLE speculative dec
                                 gr.Markdown("#### EAGLE")
                                 e_out = gr.HTML('<div class="eagle-tokens pane"></div>', elem_classes=["pane"])
                                 e_fig = gr.HTML(figures_html(None))
-                        gr.HTML(LEGEND_HTML)
+                        with gr.Row(equal_height=True):
+                            gr.HTML(LEGEND_HTML)
+                            race_speed = gr.Radio([(f"{x:g}×", x) for x in RACE_SPEEDS], value=1.0,
+                                                  label="Race playback speed", elem_id="race_speed")  # fmt: skip
+                        gr.Markdown(RACE_NOTE, elem_classes=["eagle-note"])
             with gr.Column(scale=1, min_width=280):
                 gr.Markdown("### Live figures")
                 figures = gr.HTML(figures_html(None), elem_id="figures")
@@ -135,6 +162,7 @@ def build(engine, max_new_tokens: int = 512, title: str = "EAGLE speculative dec
                                         placeholder="(empty: the chat template's default)")  # fmt: skip
                 with gr.Accordion("Model", open=False):
                     model_md = gr.Markdown(model_info_md(engine))
+                    model_timer = gr.Timer(MODEL_PANEL_EVERY_S)  # progress of the work done while idle
 
         settings = [temperature, top_p, top_k, max_new, eagle, highlight, time_vanilla, system]
         # The page's own events are callable by clients ("undocumented") so that tests can drive a real
@@ -148,6 +176,9 @@ def build(engine, max_new_tokens: int = 512, title: str = "EAGLE speculative dec
         cmp_io = dict(fn=h["run_compare"], inputs=[cmp_msg, state, *settings],
                       outputs=[v_out, v_fig, e_out, e_fig, summary, figures, state], concurrency_id=MODEL_GROUP,
                       concurrency_limit=1, show_progress="minimal")  # fmt: skip
+        # the race plays no model, so it waits in no queue; it ends when the session starts another run or race
+        race_io = dict(fn=h["play_race"], inputs=[state, race_speed], outputs=[v_out, e_out, summary],
+                       concurrency_limit=None, show_progress="hidden")  # fmt: skip
         hidden = dict(api_visibility="private")
         undocumented = dict(api_visibility="undocumented")
 
@@ -160,20 +191,28 @@ def build(engine, max_new_tokens: int = 512, title: str = "EAGLE speculative dec
             return event.then(**live).then(**io, **api).then(**idle)
 
         unanswered = h["unanswered"]
+        save = dict(fn=h["save"], inputs=[state], outputs=[saved], queue=False, **hidden)
         running(msg.submit(**add_io, api_name="add_message", **undocumented), bot_io, stop, unanswered,
-                api_name="respond", **undocumented)  # fmt: skip
-        running(send.click(**add_io, **hidden), bot_io, stop, unanswered, **hidden)
+                api_name="respond", **undocumented).then(**save)  # fmt: skip
+        running(send.click(**add_io, **hidden), bot_io, stop, unanswered, **hidden).then(**save)
         running(regen.click(h["regenerate"], [state, highlight], [chatbot, state], queue=False, api_name="regenerate",
-                            **undocumented), bot_io, stop, unanswered, **hidden)  # fmt: skip
+                            **undocumented), bot_io, stop, unanswered, **hidden).then(**save)  # fmt: skip
         running(cmp_run.click(h["start_compare"], [state], [state], queue=False, api_name="start_compare",
-                              **undocumented), cmp_io, cmp_stop, api_name="compare", **undocumented)  # fmt: skip
-        running(cmp_msg.submit(h["start_compare"], [state], [state], queue=False, **hidden), cmp_io, cmp_stop, **hidden)
+                              **undocumented), cmp_io, cmp_stop, api_name="compare",
+                **undocumented).then(**race_io, api_name="race", **undocumented)  # fmt: skip
+        running(cmp_msg.submit(h["start_compare"], [state], [state], queue=False, **hidden), cmp_io, cmp_stop,
+                **hidden).then(**race_io, **hidden)  # fmt: skip
+        replay.click(**dict(race_io, fn=h["replay"]), api_name="replay", **undocumented)
         stop.click(h["stop"], [state], [state], queue=False, api_name="stop", **undocumented)
         cmp_stop.click(h["stop"], [state], [state], queue=False, **hidden)
-        clear.click(h["clear"], [state], [chatbot, figures, state], queue=False, api_name="clear", **undocumented)
+        clear.click(h["clear"], [state], [chatbot, figures, state], queue=False, api_name="clear",
+                    **undocumented).then(**save)  # fmt: skip
+        chatbot.clear(h["clear"], [state], [chatbot, figures, state], queue=False, **hidden).then(**save)  # its 🗑
         highlight.change(h["rerender"], [state, highlight], [chatbot], queue=False, **hidden)
         gr.api(h["api_chat"], api_name="chat", concurrency_id=MODEL_GROUP, concurrency_limit=1)
-        # read again at each page load: compiled rounds coming in change the forwards and the tree
-        demo.load(lambda: model_info_md(engine), None, model_md, queue=False, **hidden)
+        demo.load(h["restore"], [saved, state, highlight], [chatbot, figures, state], queue=False, **hidden)
+        # read again at each page load and, while idle work is left, every few seconds
+        demo.load(lambda: model_panel(engine), None, [model_md, model_timer], queue=False, **hidden)
+        model_timer.tick(lambda: model_panel(engine), None, [model_md, model_timer], queue=False, **hidden)
     demo.queue(default_concurrency_limit=1, max_size=64)
     return demo

@@ -4,7 +4,7 @@ import json
 
 import pytest
 import torch
-from test_bench import QUESTIONS, tiny_model  # noqa: F401  (the module fixture)
+from bench_fixtures import QUESTIONS, tiny_model  # noqa: F401  (the module fixture)
 
 from eagle.evaluation import gen_ea_answer, speed
 

@@ -16,7 +16,7 @@ import tempfile
 import time
 
 import pytest
-from test_app_helpers import one_thread, serve, tiny_engine
+from app_fixtures import ScriptedEngine, one_thread, serve, tiny_engine
 
 CHROMIUM, DRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
 SCREENSHOT = os.environ.get("EAGLE_SCREENSHOT") or os.path.join(tempfile.gettempdir(), "eagle-app.png")
@@ -166,23 +166,25 @@ def test_an_empty_message_shows_a_notice_and_keeps_the_chat(page):
     assert driver.execute_script(f"return {users};") == before  # nothing was added to the conversation
 
 
-def test_an_overlong_message_gets_one_toast_and_a_notice(page):
+def test_an_overlong_message_is_refused_at_once_and_stays_in_the_box(page):
     driver, _ = page
+    wait_for(driver, "document.querySelector('#msg textarea')")
     driver.find_element(By.ID, "clear").click()
     box = driver.find_element(By.CSS_SELECTOR, "#msg textarea")
     # 100k characters typed at once (send_keys would take minutes): set the value as an input event would
-    driver.execute_script("const t = arguments[0]; Object.getOwnPropertyDescriptor(HTMLTextAreaElement.prototype, "
-                          "'value').set.call(t, 'w9 '.repeat(34000)); t.dispatchEvent(new Event('input', "
-                          "{bubbles: true}));", box)  # fmt: skip
+    set_value = ("const t = arguments[0]; Object.getOwnPropertyDescriptor(HTMLTextAreaElement.prototype, 'value')"
+                 ".set.call(t, arguments[1]); t.dispatchEvent(new Event('input', {bubbles: true}));")  # fmt: skip
+    driver.execute_script(set_value, box, "w9 " * 34_000)
     time.sleep(0.5)
     box.send_keys(Keys.ENTER)
-    toasts = ("Array.from(document.querySelectorAll('.toast-body')).filter(t => t.innerText.includes('prompt tokens'))"
-              ".length")  # fmt: skip
-    wait_for(driver, f"{toasts} >= 1", 60)
-    wait_for(driver, f"{FIGURES}.includes('shorten')", 30)  # the figures panel names the problem too
+    toasts = "Array.from(document.querySelectorAll('.toast-body')).filter(t => t.innerText.includes('shorten it'))"
+    wait_for(driver, f"{toasts}.length >= 1", 30)
     time.sleep(1.5)
-    assert driver.execute_script(f"return {toasts};") == 1
-    assert "shorten" in driver.find_element(By.CSS_SELECTOR, "#chat").text  # and the chat, under the message
+    assert driver.execute_script(f"return {toasts}.length;") == 1
+    assert "context holds" in driver.execute_script(f"return {toasts}[0].innerText;")  # names the limit
+    assert len(box.get_property("value")) == 102_000  # kept, to be shortened
+    assert driver.execute_script("return document.querySelectorAll('#chat .message.user, #chat .user').length") == 0
+    driver.execute_script(set_value, box, "")
     driver.execute_script("document.querySelectorAll('.toast-close').forEach(b => b.click());")
     wait_for(driver, "document.querySelectorAll('.toast-body').length == 0", 30)  # they cover the settings
 
@@ -212,46 +214,35 @@ def test_stop_then_send_again_in_the_browser(page):
     driver.save_screenshot(os.path.join(tempfile.gettempdir(), "eagle-app-after-stop.png"))  # for a look by eye
 
 
+def test_a_reload_keeps_the_conversation_and_its_figures(page):
+    driver, real = page
+    wait_for(driver, "document.querySelector('#msg textarea')")
+    driver.find_element(By.ID, "clear").click()
+    wait_for(driver, f"{BOT}.length == 0 && {FIGURES}.includes('No reply yet')", 30)
+    stored = "(localStorage.getItem('eagle-chat') || '').length"  # encrypted: its length tells empty from not
+    wait_for(driver, f"{stored} > 0 && {stored} < 200", 30)  # Clear saved an empty conversation
+    send(driver, "Name three birds." if real else "w7 w8 w9")
+    wait_for(driver, f"{BOT}.length == 1 && {FIGURES}.includes('tokens/s') && !{FIGURES}.includes('generating')", 180)
+    wait_for(driver, f"{stored} > 200", 30)  # saved once the reply is done
+    shown = "[...document.querySelectorAll('#chat .message')].map(m => m.innerText)"
+    chat, figures = driver.execute_script(f"return [{shown}, {FIGURES}];")
+    acc = driver.execute_script("return document.querySelectorAll('#chat .eagle-tokens .acc').length;")
+
+    driver.refresh()
+    wait_for(driver, f"{BOT}.length == 1", 60)
+    wait_for(driver, f"{FIGURES}.includes('tokens/s')", 30)
+    assert driver.execute_script(f"return [{shown}, {FIGURES}];") == [chat, figures]
+    assert driver.execute_script("return document.querySelectorAll('#chat .eagle-tokens .acc').length;") == acc
+
+    send(driver, "Thanks!" if real else "w32")  # and the conversation goes on from there
+    wait_for(driver, f"{BOT}.length == 2 && !{FIGURES}.includes('generating')", 180)
+
+
 # markdown replies: a scripted engine (no model) answers with known rounds ---------------------------------
 MARKDOWN_ROUNDS = [  # in each round every piece but the last was drafted by EAGLE and accepted
     ["1.", " **", "Fast", " path", "**"], [":", " drafts", " are", " checked"], ["\n2.", " **", "Safe"],
     ["**", ":", " <img src=x onerror=alert(1)>", " <script>alert(2)</script>", " done"], ["\n\n", "End."],
 ]  # fmt: skip
-
-
-class PiecesTokenizer:
-    """Ids index a list of text pieces."""
-
-    def __init__(self, pieces: list[str]):
-        self.pieces = pieces
-
-    def decode(self, ids, skip_special_tokens=True, clean_up_tokenization_spaces=False):
-        return "".join(self.pieces[i] for i in ids)
-
-
-class ScriptedEngine:
-    """Answers every message with the same rounds: what the page needs of an Engine, without a model."""
-
-    name, template, default_system, max_length, baseline = "scripted", "scripted", "", 2048, None
-
-    def __init__(self, rounds: list[list[str]]):
-        self.info = {"model_type": "scripted"}
-        self.tokenizer = PiecesTokenizer([p for r in rounds for p in r])
-        starts = [sum(map(len, rounds[:i])) for i in range(len(rounds))]
-        self.rounds_ids = [list(range(s, s + len(r))) for s, r in zip(starts, rounds)]
-
-    def fit(self, turns, system, max_new_tokens):
-        from eagle.chat.templates import FittedPrompt
-
-        return FittedPrompt(ids=[0], dropped=0)
-
-    def rounds(self, ids, eagle=True, **_):
-        from eagle.model.generate import Round
-
-        script = self.rounds_ids if eagle else [[t] for r in self.rounds_ids for t in r]
-        for i, tokens in enumerate(script):
-            time.sleep(0.05)
-            yield Round(tokens, len(tokens) - 1 if eagle else 0, 0.05, "eos" if i == len(script) - 1 else None)
 
 
 @pytest.fixture

@@ -9,7 +9,7 @@ import sys
 import time
 
 import pytest
-from test_app_helpers import ROOT, tiny_model
+from app_fixtures import ROOT, tiny_model
 
 from app.cli import main, parse_auth, parser
 from eagle.chat.model_types import (
@@ -77,6 +77,22 @@ def test_launch_prints_a_message_not_a_traceback(tmp_path, capsys):
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert "Cannot start:" in err and "--ea-model-path" in err and "Traceback" not in err
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="says what a GPU-less machine lacks")
+def test_a_big_model_type_without_a_gpu_says_it_wants_one(capsys):
+    with pytest.raises(SystemExit) as e:  # the hub is unreachable in tests (HF_HUB_OFFLINE=1): the download fails
+        main(["--model-type", "llama3"])
+    assert e.value.code == 2
+    out = capsys.readouterr()
+    assert "wants a GPU" in out.out and "wants a GPU, and this machine shows none" in out.err
+
+
+def test_help_gives_the_tree_defaults_the_app_uses(capsys):
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "tuned on this machine" in text and "60 on GPU, 4 on CPU" in text
 
 
 def test_launch_py_serves_a_tiny_model(tmp_path):

@@ -1,54 +1,182 @@
-"""The app compiles its rounds in the background: replies are served eagerly meanwhile, the compiled graphs come in
-between two replies (never under a running one), and the replies stay what they were."""
+"""The app's compiled rounds: compiled by child processes that are stopped whenever the model works, brought in by
+idle work between replies (never under one), measured only while idle, and the replies stay what they were."""
+
+import json
+import os
+import time
 
 import pytest
-from test_app_helpers import tiny_engine
+from app_fixtures import tiny_engine
 
-from eagle.model import compiled, compiled_draft
+from app import idle_work
+from app.engine import EngineBusy
+from app.idle_work import VanillaReference, Wait, compiled_rounds, saved_verdict, vanilla_reference
+from app.precompile import ChildCompile, CompileSpec, compiled_before
 
 
 @pytest.fixture
-def one_bucket_each(monkeypatch, tmp_path):
-    """Graphs for one bucket each (seconds to compile) and a cache of timings of its own."""
+def own_cache(monkeypatch, tmp_path):
     monkeypatch.setenv("EAGLE_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(compiled, "BUCKETS", (16,))
-    monkeypatch.setattr(compiled_draft, "DRAFT_BUCKETS", (4,))
+    monkeypatch.setattr(idle_work, "REFERENCE_PROMPTS", idle_work.REFERENCE_PROMPTS[:2])
+    monkeypatch.setattr(idle_work, "REFERENCE_TOKENS", 12)
 
 
-def test_compiled_rounds_come_in_between_replies_and_change_no_reply(one_bucket_each, tmp_path):
-    engine = tiny_engine(str(tmp_path))
+def spec_of(engine, folder) -> CompileSpec:
+    """One graph each (seconds to compile) for the tiny model saved in `folder`."""
+    from eagle.model import few_rows
+
     model = engine.model
-    ids = engine.prompt_ids([("w7 w8 w9", None)])
-    reference = [t for r in engine.rounds(ids, max_new_tokens=24) for t in r.tokens]
-
-    reply = engine.rounds(ids, max_new_tokens=24)
-    tokens = list(next(reply).tokens)  # a reply is being written: it holds the model
-    lines = []
-    thread = engine.compile_in_background("on", lines.append, lambda m: {"forwards": "compiled now"})
-    thread.join(timeout=600)  # graphs built and warmed beside the running reply
-    assert not thread.is_alive() and any("4-row draft step" in line for line in lines), lines
-    assert engine.finish_compiling(wait=False) is None  # not under the running reply (the serving loop's poll)
-    assert model.base.compiled is None and model.compiled_draft is None
-    tokens += [t for r in reply for t in r.tokens]
-    assert engine.finish_compiling() is True
-    assert model.base.compiled is not None and model.compiled_draft is not None
-    assert tokens == reference
-    assert [t for r in engine.rounds(ids, max_new_tokens=24) for t in r.tokens] == reference
-    assert engine.info["forwards"] == "compiled now" and lines[-1].startswith("compiled rounds in use")
-    assert engine.baseline is not None and "start-up" in engine.baseline[1]
-    assert engine.finish_compiling() is None  # nothing left to put in use
+    return CompileSpec(base_path=os.path.join(folder, "base"), head_path=os.path.join(folder, "draft"),
+                       dtype="float32", draft_dtype="float32", few_row_plan=few_rows.plan_of(model.base_model),
+                       base_buckets=(16,), draft_buckets=(4,), threads=1)  # fmt: skip
 
 
-def test_auto_keeps_eager_where_compiled_measured_slower(one_bucket_each, tmp_path, monkeypatch):
-    from eagle.model import tuner
+def process_state(pid: int) -> str:
+    """The kernel's state letter of a process: "T" = stopped."""
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0]
 
-    slower = {"ms": {"compiled": {16: 2.0}, "eager": {16: 1.0}}, "compiled_pays": False}
-    monkeypatch.setattr(tuner, "_compiled_vs_eager", lambda base: slower)
-    monkeypatch.setattr(compiled.CompiledDecode, "warm", lambda self, log=None: {})
-    monkeypatch.setattr(compiled_draft.CompiledDraft, "warm", lambda self, log=None: {})
+
+def tokens(engine, ids, **kw):
+    return [t for r in engine.rounds(ids, max_new_tokens=24, **kw) for t in r.tokens]
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="reads process states from /proc")
+def test_children_compile_only_while_the_model_is_idle_and_the_graphs_change_no_reply(own_cache, tmp_path):
     engine = tiny_engine(str(tmp_path))
+    model, spec = engine.model, spec_of(engine, str(tmp_path))
+    ids = engine.prompt_ids([("w7 w8 w9", None)])
+    reference, vanilla = tokens(engine, ids), tokens(engine, ids, eagle=False)
+
+    engine.child = child = ChildCompile(spec)
+    assert len(child.processes) == 2  # one graph each
     lines = []
-    engine.compile_in_background("auto", lines.append).join(timeout=120)
-    assert engine.finish_compiling() is False
-    assert engine.model.base.compiled is None and engine.model.compiled_draft is None
+    engine.add_job(compiled_rounds(engine, child, spec, "on", lines.append))
+    reply = engine.rounds(ids, max_new_tokens=24)
+    got = list(next(reply).tokens)  # a reply holds the model: the children are stopped
+    assert child.paused and all(process_state(p.pid) == "T" for p in child.processes)
+    assert engine.idle_step() is False  # no idle work under a reply
+    got += [t for r in reply for t in r.tokens]
+    assert not child.paused and got == reference
+    assert all(process_state(p.pid) != "T" for p in child.processes if p.poll() is None)
+
+    engine.run_idle_work(timeout=600)
+    assert child.ok, child.error
+    assert engine.path == "compiled" and model.compiled_draft is not None, engine.status
+    assert tokens(engine, ids) == reference and tokens(engine, ids, eagle=False) == vanilla
+    assert engine.reference("compiled").step_s > 0 and lines[-1] == "compiled rounds in use"
+    assert compiled_before(spec)  # a second start loads the graphs without compiling
+    # and measures no verdict again, unless this one was taken while another process used the CPU
+    busy = any("another process used the CPU" in line for line in lines)
+    assert saved_verdict(spec.key()) is not None or busy, lines
+
+
+def test_idle_work_waits_for_a_reply_and_a_waiting_reply_goes_first(own_cache, tmp_path):
+    engine = tiny_engine(str(tmp_path))
+    ran = []
+
+    def job():
+        for i in range(3):
+            yield f"unit {i}"
+            ran.append(i)
+            time.sleep(0.05)
+
+    engine.add_job(job())
+    reply = engine.rounds(engine.prompt_ids([("w7", None)]), max_new_tokens=8)
+    next(reply)
+    assert engine.idle_step() is False and ran == []
+    reply.close()
+    assert engine.idle_step() is True and ran == [0]
+    with engine._wanted():  # a message waits for the model: no unit starts
+        assert engine.idle_step() is False and ran == [0]
+    engine.run_idle_work()
+    assert ran == [0, 1, 2] and engine.jobs == []
+
+
+def test_a_message_behind_a_unit_of_idle_work_hears_what_it_waits_for(own_cache, tmp_path):
+    engine = tiny_engine(str(tmp_path))
+    with engine._model("loading the compiled graphs: 2 of 6", timeout=0):
+        lines = engine.waiting_lines(poll_s=0.01)
+        assert next(lines).startswith("waiting for the model: loading the compiled graphs: 2 of 6")
+        with pytest.raises(EngineBusy):  # and no other unit starts meanwhile
+            with engine._model("another unit", timeout=0):
+                pass
+    assert list(lines) == []
+
+
+def test_a_job_that_waits_lets_the_next_job_run_and_reports_its_progress(own_cache, tmp_path):
+    engine = tiny_engine(str(tmp_path))
+    ready = []
+
+    def waiting():
+        while not ready:
+            yield Wait("compiling: 1 of 2 graphs done")
+        yield "loading"
+
+    engine.add_job(waiting())
+    engine.add_job(vanilla_reference(engine, "eager"))
+    assert engine.idle_step() is True  # the reference's first unit, past the waiting job
+    assert engine.status.startswith("timing vanilla decoding")
+    engine.run_idle_work(timeout=5)
+    assert engine.reference("eager") is not None and engine.jobs and engine.status.startswith("compiling: 1 of 2")
+    ready.append(True)
+    engine.run_idle_work()
+    assert engine.jobs == []
+
+
+@pytest.fixture
+def nothing_compiled(monkeypatch):
+    """Graphs that are never built: loading them does nothing (the tests around them time no graph)."""
+    from eagle.model import compiled, compiled_draft
+
+    monkeypatch.setattr(compiled.CompiledDecode, "warm", lambda self, log=None, context=64, rows=None: {r: 0.0 for r in rows})
+    monkeypatch.setattr(compiled_draft.CompiledDraft, "warm", lambda self, log=None, context=64, rows=None: {r: 0.0 for r in rows})
+
+
+def test_a_verdict_measured_under_load_is_not_saved(own_cache, nothing_compiled, tmp_path, monkeypatch):
+    engine = tiny_engine(str(tmp_path))
+    spec = spec_of(engine, str(tmp_path))
+    slower = {"compiled": {16: 2.0}, "eager": {16: 1.0}}  # and always under load
+    monkeypatch.setattr(idle_work, "compiled_vs_eager", lambda model, graphs, rows: (slower, True))
+    lines = []
+    engine.add_job(compiled_rounds(engine, None, spec, "auto", lines.append))  # None: compiled before
+    engine.run_idle_work(timeout=600)
+    assert saved_verdict(spec.key()) is None and engine.path == "eager"  # decided for this run only
+    assert sum("another process used the CPU" in line for line in lines) == idle_work.MAX_TRIES
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="reads CPU times from /proc")
+def test_others_cpu_counts_another_process_not_this_one():
+    import subprocess
+    import sys
+
+    with idle_work.OthersCpu() as alone:
+        sum(i * i for i in range(3_000_000))  # this process only
+    spin = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        time.sleep(0.3)
+        with idle_work.OthersCpu() as shared:
+            time.sleep(1.0)
+    finally:
+        spin.kill()
+    assert not alone.busy and shared.busy, (alone.cores, shared.cores)
+
+
+def test_auto_keeps_eager_where_compiled_measured_slower(own_cache, nothing_compiled, tmp_path, monkeypatch):
+    engine = tiny_engine(str(tmp_path))
+    spec = spec_of(engine, str(tmp_path))
+    slower = {"compiled": {16: 2.0}, "eager": {16: 1.0}}
+    monkeypatch.setattr(idle_work, "compiled_vs_eager", lambda model, graphs, rows: (slower, False))
+    lines = []
+    engine.add_job(compiled_rounds(engine, None, spec, "auto", lines.append))
+    engine.run_idle_work(timeout=600)
+    assert engine.path == "eager" and engine.model.compiled_draft is None
     assert lines[-1] == "compiled forwards measured slower than eager here: decoding eagerly"
+    saved = saved_verdict(spec.key())
+    assert saved["compiled_pays"] is False and json.dumps(saved)
+
+
+def test_the_reference_projects_vanilla_onto_the_replys_own_length_and_prefill():
+    ref = VanillaReference("eager", step_s=0.02, source="test")
+    assert ref.seconds(first_round_s=0.5, new_tokens=101) == pytest.approx(0.5 + 100 * 0.02)
+    assert idle_work.stable([1.0, 1.05]) and not idle_work.stable([1.0, 1.3]) and not idle_work.stable([1.0])

@@ -7,8 +7,8 @@ import threading
 import time
 
 import pytest
+from app_fixtures import LIST_ROUNDS, ScriptedEngine, greedy_reply, one_thread, serve, tiny_engine
 from gradio_client import Client
-from test_app_helpers import greedy_reply, one_thread, serve, tiny_engine
 
 from app.highlight import plain_text
 
@@ -89,18 +89,43 @@ def test_bad_values_through_the_api_are_named_not_silently_used(app):
     assert text == "" and figures["notice"].startswith("Empty message")
 
 
-def test_the_chat_shows_a_speedup_from_the_start_up_vanilla_timing(app):
+def test_the_speedup_shown_is_against_vanilla_on_the_same_forwards_or_none(app):
+    from app.idle_work import VanillaReference, vanilla_reference
+
     engine, demo = app
-    saved = engine.baseline
+    saved = dict(engine.references)
     try:
-        tps, source = engine.measure_baseline(8)
-        assert tps > 0 and "start-up" in source
-        _, figures = say(client(demo), "w40")  # a fresh session: no vanilla of its own yet
-        assert "speedup" in figures and "start-up" in figures
+        engine.references.clear()
+        engine.set_reference(VanillaReference("compiled", 1e-4, "compiled forwards"))  # not this reply's path
         _, _, api = client(demo).predict("w40", max_new_tokens=8, api_name="/chat")
-        assert api["vanilla_tokens_per_s"] == round(tps, 2) and api["speedup"] > 0
+        assert api["forwards"] == "eager" and api["speedup"] is None and api["vanilla_tokens_per_s"] is None
+        assert api["vanilla_source"].startswith("timing vanilla decoding on eager forwards")
+        _, figures = say(client(demo), "w40")
+        assert "fig-speedup" not in figures and "timing vanilla decoding on eager forwards" in figures
+
+        engine.add_job(vanilla_reference(engine, "eager"))
+        engine.run_idle_work()
+        step = engine.reference("eager").step_s
+        _, _, api = client(demo).predict("w40", max_new_tokens=8, api_name="/chat")
+        assert api["speedup"] > 0 and "timed while idle" in api["vanilla_source"]
+        # vanilla's time for this reply = its prefill round + a step per further token: longer than the steps
+        assert api["new_tokens"] / api["vanilla_tokens_per_s"] > (api["new_tokens"] - 1) * step * 0.99
+        _, figures = say(client(demo), "w40")
+        assert "fig-speedup" in figures and "timed while idle" in figures and "eager" in figures
     finally:
-        engine.baseline = saved
+        engine.references = saved
+
+
+def test_the_chat_endpoint_renders_markdown_as_the_page_does():
+    message = "<script>alert(0)</script> A list, please."
+    with serve(ScriptedEngine(LIST_ROUNDS)) as demo:
+        c = client(demo)
+        html, text, _ = c.predict(message, api_name="/chat")
+        chat, _ = say(c, message)
+    assert "<li>" in html and "<strong>" in html and "<code>" in html and "**" not in html
+    assert '<span class="acc">Draft fast</span>' in html and '<span class="acc">code</span>' in html
+    assert "<script" not in html and "&lt;script&gt;alert(1)&lt;/script&gt;" in html  # the model's HTML is text
+    assert html == last_reply(chat) and plain_text(html).startswith("Steps:")
 
 
 def test_page_session_chat_regenerate_clear(app):
@@ -139,7 +164,10 @@ def test_bad_input_keeps_the_session(app):
     chat, _ = respond(c).result(timeout=60)
     assert len(chat) == 2 and last_reply(chat) == good
 
-    chat, figures = say(c, "w9 " * 33_334)  # 100,002 characters: too long for the context, said so
+    long = "w9 " * 33_334  # 100,002 characters: refused when sent, left in the box to be shortened
+    msg, chat = c.predict(long, True, api_name="/add_message")
+    assert msg == long and len(chat) == 2
+    chat, figures = say(c, "w9 " * 300, max_new_tokens=400)  # fits the context, but not with the reply's room
     assert len(chat) == 4 and chat[2]["content"][0]["text"].startswith("w9 w9")
     assert "shorten" in last_reply(chat) and "shorten" in figures
 
@@ -148,6 +176,25 @@ def test_bad_input_keeps_the_session(app):
 
     chat, _ = say(c, "w22")  # and the conversation goes on, with the earlier turns intact
     assert len(chat) == 8 and last_reply(chat) != "" and chat[1]["content"][0]["text"] == good
+
+
+def test_an_overlong_message_is_refused_at_once_while_the_model_is_busy(app, monkeypatch):
+    engine, demo = app
+    busy, c = client(demo), client(demo)
+    busy.predict("w7 w8", True, api_name="/add_message")
+    gate, forward = threading.Event(), engine.model.base.forward
+    monkeypatch.setattr(engine.model.base, "forward", lambda *a, **k: gate.wait(60) and forward(*a, **k))
+    job = respond(busy)  # holds the model until the gate opens
+    try:
+        time.sleep(0.5)
+        long = "w9 " * 6_667  # 20,001 characters
+        start = time.monotonic()
+        msg, chat = c.predict(long, True, api_name="/add_message")
+        assert time.monotonic() - start < 10 and not job.done()  # refused while the model is still busy
+        assert msg == long and chat == []
+    finally:
+        gate.set()
+    job.result(timeout=60)
 
 
 def long_prompt(engine, candidates=("w30 w31", "w36 w37 w38", "w44 w45")):
@@ -246,6 +293,28 @@ def test_side_by_side_endpoint(app):
     assert plain_text(v_html) == plain_text(e_html) == greedy_reply(engine, [("w15 w16", None)], 16)
     assert "Speedup <b" in summary and "×</b>" in summary and "same text as vanilla: yes" in summary
     assert "Vanilla" in v_fig and "tokens/s" in e_fig
-    assert "EAGLE" in figures and "your last side-by-side run" in figures  # the chat's panel follows the run
-    chat, figures = say(c, "w17")  # the chat now quotes the side-by-side vanilla figure
-    assert "your last side-by-side run" in figures and "speedup" in figures
+    assert "EAGLE" in figures and "the vanilla run of this prompt beside it" in figures  # the panel follows the run
+    chat, figures = say(c, "w17")  # another prompt: its speedup is never the side-by-side run's vanilla figure
+    assert "beside it" not in figures and "eager forwards" in figures
+
+
+def test_side_by_side_race_plays_and_replays_without_the_model(app, monkeypatch):
+    engine, demo = app
+    c = client(demo)
+    args = [SETTINGS[k] for k in ("temperature", "top_p", "top_k", "max_new_tokens", "eagle", "highlight",
+                                  "time_vanilla", "system_prompt")]  # fmt: skip
+    c.predict(1.0, api_name="/replay")  # nothing to replay yet: a toast, no frames, no error
+    c.predict(api_name="/start_compare")
+    v_html, _, e_html, _, summary, _ = c.predict("w18 w19", *args, api_name="/compare")
+    job = c.submit(2.0, api_name="/race")  # as the page does after the run
+    frames = list(job) or [job.result(timeout=60)]
+    v_end, e_end, status = frames[-1]
+    assert plain_text(v_end).startswith(plain_text(v_html)) and plain_text(e_end).startswith(plain_text(e_html))
+    assert "tokens/s" in v_end and "finished" in e_end and "🏁" in status
+    assert summary.split("Speedup ")[1].split("×")[0] in status  # the final ratio is the run's speedup
+
+    def no_model(*a, **k):
+        raise AssertionError("Replay decoded again")
+
+    monkeypatch.setattr(engine, "rounds", no_model)
+    assert c.predict(4.0, api_name="/replay") == frames[-1]

@@ -1,5 +1,5 @@
 """What keeps the app's UI from costing the model speed (issue #13: the app's live speed equals the bench's), and
-the tool that measures it, `python -m eagle.evaluation.app_speed`.
+the tool that measures it, `python -m app.speed_check`.
 
 - a reply's page updates are bounded by time (at most ~4 per second), not one per round of the model;
 - an update renders only the reply's new piece: the markdown parsed per update does not grow with the reply
@@ -16,12 +16,11 @@ import os
 import time
 
 import pytest
-from test_app_helpers import one_thread, tiny_engine
+from app_fixtures import ModelFreeEngine, one_thread, tiny_engine
 
-from app import markdown_render
+from app import markdown_render, speed_check
 from app.handlers import UPDATE_EVERY_S, chat_messages, make_handlers, new_state, new_turn
 from eagle.chat.templates import FittedPrompt
-from eagle.evaluation import app_speed
 from eagle.model.generate import Round
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*no_silent_downcasting", "ignore:The copy keyword")
@@ -46,12 +45,13 @@ def markdown_words(n: int) -> list[str]:
     return words[:n]
 
 
-class FastEngine:
+class FastEngine(ModelFreeEngine):
     """An Engine without a model: `rounds` rounds of 3 tokens (2 of them drafted), `round_s` seconds each."""
 
-    name, template, default_system, max_length, baseline = "fast", "fast", "", 1 << 20, None
+    name, template, max_length = "fast", "fast", 1 << 20
 
     def __init__(self, rounds: int, round_s: float):
+        super().__init__()
         self.info = {"model_type": "fast"}
         self.n, self.round_s = rounds, round_s
         self.tokenizer = WordsTokenizer(markdown_words(3 * rounds))
@@ -122,26 +122,26 @@ def test_summary_and_table():
 
     records = [rec("eagle", 4.0, 5.0, 22.0), rec("eagle", 4.0, 4.0, 25.0, same_text=False),
                rec("vanilla", 5.0, 5.0, 20.0), rec("vanilla", 5.0, 6.0, 20.0)]  # fmt: skip
-    s = app_speed.summarize(records)
+    s = speed_check.summarize(records)
     e, v = s["eagle"], s["vanilla"]
     assert e["bench_tokens_per_s"] == pytest.approx(25.0) and e["page_tokens_per_s"] == pytest.approx(200 / 9)
     assert e["page_vs_bench"] == pytest.approx(200 / 9 / 25) and v["page_vs_bench"] == pytest.approx(20 / 11 / 2)
     assert e["shown_tokens_per_s"] == pytest.approx(200 / (100 / 22 + 4))
     assert e["bench_speedup"] == pytest.approx(25 / 20) and e["same_text"] == 1 and v["same_text"] == 2
     assert e["browser_cpu_s_per_reply"] == pytest.approx(0.3) and e["others_cores"] == 0.0
-    table = app_speed.table(s)
+    table = speed_check.table(s)
     assert "| eagle | 25.0 | 22.2 |" in table and "0.89x" in table and "1/2" in table and "(quiet)" in table
-    busy = app_speed.table(app_speed.summarize([rec("eagle", 4.0, 5.0, 22.0, others=2.0)]))
+    busy = speed_check.table(speed_check.summarize([rec("eagle", 4.0, 5.0, 22.0, others=2.0)]))
     assert "busy machine" in busy
     disturbed = {**rec("eagle", 4.0, 40.0, 2.0, others=9.0), "busy": True}  # measured again, still disturbed
-    s2 = app_speed.summarize([*records, disturbed])
+    s2 = speed_check.summarize([*records, disturbed])
     assert s2["eagle"]["page_tokens_per_s"] == pytest.approx(200 / 9) and s2["eagle"]["busy_left_out"] == 1
-    assert "1 replies measured while other programs used more than" in app_speed.table(s2)
-    assert app_speed.number("23.45 tokens/s") == 23.45 and app_speed.number("–") is None
-    assert app_speed.squeeze("a b\n\nc") == "abc"
+    assert "1 replies measured while other programs used more than" in speed_check.table(s2)
+    assert speed_check.number("23.45 tokens/s") == 23.45 and speed_check.number("–") is None
+    assert speed_check.squeeze("a b\n\nc") == "abc"
 
 
-@pytest.mark.skipif(not (os.path.exists(app_speed.CHROMIUM) and os.path.exists(app_speed.DRIVER)),
+@pytest.mark.skipif(not (os.path.exists(speed_check.CHROMIUM) and os.path.exists(speed_check.DRIVER)),
                     reason="chromium / chromedriver absent: apt-get install -y chromium chromium-driver")  # fmt: skip
 def test_the_tool_on_a_tiny_model_in_chromium(tmp_path):
     pytest.importorskip("selenium.webdriver", reason="selenium not installed")
@@ -150,7 +150,7 @@ def test_the_tool_on_a_tiny_model_in_chromium(tmp_path):
     with one_thread():
         engine = tiny_engine(str(tmp_path), max_length=256)
         questions = [{"question_id": 7, "turns": ["w7 w8 w9"]}, {"question_id": 8, "turns": ["w20\nw21"]}]
-        out = app_speed.measure(engine, questions, 24, lambda _: None, warmup=0, update_every=[0.25, 1.0],
+        out = speed_check.measure(engine, questions, 24, lambda _: None, warmup=0, update_every=[0.25, 1.0],
                                 retries=0)  # fmt: skip
     assert handlers.UPDATE_EVERY_S == UPDATE_EVERY_S  # put back
     records = out["records"]
@@ -160,5 +160,6 @@ def test_the_tool_on_a_tiny_model_in_chromium(tmp_path):
     for r in records:
         assert r["same_prompt"] and r["same_ids"] and r["same_text"], r  # greedy: the page shows the bench's text
         assert r["app_tokens"] == r["bench_tokens"] == r["shown_new_tokens"] and r["page_s"] > 0
-        assert 1 <= r["updates"] and r["shown_tokens_per_s"] > 0 and r["cpu_s"]["browser"] >= 0
+        assert 1 <= r["updates"] and r["shown_tokens_per_s"] > 0
+        assert r["cpu_s"]["browser"] > 0, r  # Chromium renders every reply: its processes are found and counted
     assert list(out["summary"]) == labels

@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
-import pytest
-from test_app_helpers import greedy_reply, one_thread, tiny_engine
+import json
 
-from app.highlight import Detokenizer, Reply, blocks, highlighted_html, plain_text, render
+import gradio as gr
+import pytest
+from app_fixtures import LIST_ROUNDS, ScriptedEngine, greedy_reply, one_thread, tiny_engine
+
+from app.handlers import (
+    chat_messages, make_handlers, new_state, new_turn, restored_conversation, saved_conversation, too_long,
+)  # fmt: skip
+from app.highlight import Detokenizer, Reply, plain_text, render
 from app.session import Settings, compare, respond
 from app.stats import RunStats, figures_html, with_vanilla
 from eagle.chat.templates import (
@@ -108,30 +114,6 @@ def test_fit_turns_message_alone_too_long():
 
 
 # highlighting ----------------------------------------------------------------------------------------------
-def test_highlight_escapes_and_wraps_accepted():
-    text = "a <b>&</b> c"
-    out = highlighted_html(text, [[2, 5]])
-    assert '<span class="acc">&lt;b&gt;</span>' in out
-    assert "<b>" not in out and "&amp;" in out
-    assert plain_text(out) == text
-
-
-def test_highlight_keeps_lines_and_code_blocks():
-    text = "Intro:\n\n```python\ndef f():\n    return 1\n```\nend"
-    out = highlighted_html(text, [[0, 3], [20, 30]])
-    assert "\n" not in out  # one line: the markdown renderer passes it through as one HTML block
-    assert '<pre class="eagle-code"><code>' in out and out.count("<pre") == 1
-    assert '<div class="eagle-fence">' in out
-    assert plain_text(out) == text
-    assert [b[0] for b in blocks(text)] == ["text", "fence", "code", "fence", "text"]
-
-
-def test_accepted_whitespace_is_not_a_highlighted_block():
-    out = highlighted_html("a \nb", [[1, 3], [3, 4]])
-    assert '<span class="acc">' in out and out.count('class="acc"') == 1  # " \n" stays plain, "b" is marked
-    assert plain_text(out) == "a \nb"
-
-
 def test_plain_toggle_renders_the_same_markdown_without_highlights():
     plain = render("**x**\n- y", [[0, 2]], highlight=False)
     assert "<strong>x</strong>" in plain and "<li>y</li>" in plain and "acc" not in plain
@@ -226,8 +208,9 @@ def test_respond_vanilla_and_time_vanilla(engine):
     e = list(respond(engine, "w7 w8 w9", [], Settings(max_new_tokens=20, time_vanilla=True)))[-1]
     assert v.text == e.text  # greedy EAGLE is lossless
     assert v.figures["mean_accepted_tokens_per_forward"] == 1.0 and "acc" not in v.html
-    assert v.vanilla and v.vanilla[0] > 0
-    assert e.figures["vanilla_tokens_per_s"] > 0 and e.figures["speedup"] > 0 and e.vanilla
+    assert v.figures["speedup"] is None and v.figures["forwards"] == "eager"
+    assert e.figures["vanilla_tokens_per_s"] > 0 and e.figures["speedup"] > 0
+    assert e.figures["vanilla_source"].startswith("this reply decoded again without EAGLE")
 
 
 def test_respond_bad_input_and_truncation(engine):
@@ -271,7 +254,7 @@ def test_compare_runs_vanilla_then_eagle(engine):
 def test_rounds_run_on_the_thread_serving_model_calls(tmp_path):
     import threading
 
-    from test_app_helpers import tiny_engine
+    from app_fixtures import tiny_engine
 
     engine = tiny_engine(str(tmp_path))
     ids = engine.prompt_ids([("w1 w2", None)])
@@ -298,3 +281,102 @@ def test_rounds_run_on_the_thread_serving_model_calls(tmp_path):
     assert sum(len(r.tokens) for r in rounds) == 4
     assert seen and set(seen) == {server}
     assert not server.is_alive() and engine._calls is None
+
+
+# the page's handlers: the /chat endpoint's HTML, a reload, an overlong message ------------------------------
+def test_the_api_reply_html_is_the_page_s_rendered_markdown():
+    engine = ScriptedEngine(LIST_ROUNDS)
+    api = make_handlers(engine)["api_chat"]
+    message = "<script>alert(0)</script> A list, please."
+    html, text, figures = list(api(message))[-1]
+    assert text == "".join(p for r in LIST_ROUNDS for p in r) and figures["stop"] == "eos"
+    assert "<li>" in html and "<strong>" in html and "<code>" in html  # markdown, not its syntax
+    assert '<span class="acc">Draft fast</span>' in html and '<span class="acc">code</span>' in html
+    assert "<script" not in html and "&lt;script&gt;alert(1)&lt;/script&gt;" in html  # the model's HTML is text
+    final = list(respond(engine, message, [], Settings()))[-1]  # what the page shows for the same reply
+    state = new_state()
+    state["turns"] = [dict(new_turn(message, 0), reply=final.text, marks=final.marks)]
+    assert html == chat_messages(state)[-1]["content"]["text"]
+
+    html, _, _ = list(api(message, use_eagle=False))[-1]  # vanilla: the same markdown, no highlights
+    assert "<li>" in html and "<strong>" in html and 'class="acc"' not in html and "<script" not in html
+
+
+def conversation() -> dict:
+    state = new_state()
+    state["turns"] = [
+        dict(new_turn("**hi** <b>x</b>", 0), reply="- one\n- **two**", marks=[[2, 5], [10, 13]]),
+        dict(new_turn("go on", 0), reply="Par", marks=[[0, 1]], stopped=True),
+        dict(new_turn("w9 " * 50, 0), notice="Please shorten it."),
+        dict(new_turn("plain", 0), reply="done", eagle=False),
+        new_turn("still waiting", 0),  # no reply yet: not saved
+    ]
+    state["figures"] = {"mode": "eagle", "tokens_per_s": 12.5, "mean_accepted_tokens_per_forward": 2.1, "rounds": 4,
+                        "new_tokens": 9, "elapsed_s": 0.7, "stop": "eos", "speedup": 1.4, "vanilla_tokens_per_s": 8.9,
+                        "vanilla_source": "test", "input_notices": ["a"], "notice": None}  # fmt: skip
+    return state
+
+
+def test_a_saved_conversation_comes_back_after_a_reload():
+    h = make_handlers(None)
+    state = conversation()
+    saved = json.loads(json.dumps(h["save"](state)))  # as the browser keeps it
+    assert [t["user"] for t in saved["turns"]] == ["**hi** <b>x</b>", "go on", "w9 " * 50, "plain"]
+    page = new_state()
+    page["epoch"] = 3
+    chat, figures, page = h["restore"](saved, page, True)
+    state["turns"].pop()
+    assert chat == chat_messages(state) and figures == figures_html(state["figures"])
+    assert "<li>" in chat[1]["content"]["text"] and "stopped" in chat[3]["content"]["text"]
+    assert "shorten" in chat[5]["content"]["text"] and 'class="acc"' not in chat[7]["content"]["text"]
+    assert page["figures"] == state["figures"] and all(t["epoch"] == 3 for t in page["turns"])  # this session's
+    assert h["save"](page) == saved
+
+    early = new_state()  # a message sent before the page's load event came back stays, after the saved turns
+    held = early["turns"]
+    held.append(new_turn("sent first", 0))
+    chat, _, early = h["restore"](saved, early, True)
+    assert early["turns"] is held and [t["user"] for t in held] == [*(t["user"] for t in saved["turns"]), "sent first"]
+
+
+def test_garbage_in_the_browser_s_storage_is_dropped_never_raised():
+    h = make_handlers(None)
+    empty = ([], figures_html({}))
+    for garbage in (None, "text", 42, [], {}, {"version": 0, "turns": [{"user": "a", "reply": "b"}]},
+                    {"version": 1, "turns": "x", "figures": []}, {"version": 1, "turns": [None, 1, {"user": 5}]},
+                    {"version": 1, "turns": [{"user": "never answered"}], "figures": {"rounds": 2.5}}):  # fmt: skip
+        chat, figures, state = h["restore"](garbage, new_state(), True)
+        assert (chat, figures) == empty and state["turns"] == [] and state["figures"] == {}
+    turn = {"user": "u\ud800", "reply": "abc\x00", "eagle": "yes", "stopped": 1,
+            "marks": [[0, 2], [1, 3], [5, 9], ["a", 1], [2, 3, 4], [True, 3], [2, 3]]}  # fmt: skip
+    figures = {"tokens_per_s": 3.0, "mode": "eagle", "extra": {"nested": 1}, 7: "x"}
+    turns, kept = restored_conversation({"version": 1, "turns": [turn], "figures": figures})
+    assert turns == [{"user": "u?", "reply": "abc", "marks": [[0, 2], [2, 3]], "eagle": True, "notice": None,
+                      "stopped": False}]  # fmt: skip
+    assert kept == {"tokens_per_s": 3.0, "mode": "eagle"}  # only what the panel can show
+    assert restored_conversation({"version": 1, "figures": {"tokens_per_s": "fast"}}) == ([], {})
+
+
+def test_the_saved_conversation_keeps_the_newest_turns_that_fit(monkeypatch):
+    import app.handlers
+
+    state = new_state()
+    state["turns"] = [dict(new_turn(f"q{i}", 0), reply="x" * 100) for i in range(10)]
+    one = len(json.dumps(saved_conversation({"turns": state["turns"][:1]})["turns"][0]))
+    monkeypatch.setattr(app.handlers, "SAVED_MAX_CHARS", 3 * one + 1)
+    assert [t["user"] for t in saved_conversation(state)["turns"]] == ["q7", "q8", "q9"]
+
+
+def test_an_overlong_message_is_refused_when_sent_and_stays_in_the_box(engine, monkeypatch):
+    shown = []
+    monkeypatch.setattr(gr, "Warning", shown.append)
+    add = make_handlers(engine)["add_message"]
+    state = new_state()
+    long = "w9 " * 7000  # 21,000 characters, 7,000 tokens: the context holds 96
+    box, chat, state = add(long, state, True)
+    assert box == long and chat == [] and state["turns"] == []  # nothing queued for the model
+    assert len(shown) == 1 and "7,000 tokens (21,000 characters)" in shown[0] and "holds 96 tokens" in shown[0]
+    assert "shorten" in shown[0]
+    box, chat, state = add("w9 " * 90, state, True)  # fits the context (the reply's room is respond's to judge)
+    assert box == "" and len(chat) == 1 and len(shown) == 1
+    assert too_long(ScriptedEngine(LIST_ROUNDS), "x" * 20_000) is None  # a tokenizer that cannot count: respond's

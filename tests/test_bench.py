@@ -4,18 +4,11 @@ import json
 
 import pytest
 import torch
-from tiny import random_draft, save_base, tiny_base
-from transformers import AutoTokenizer
+from bench_fixtures import QUESTIONS, tiny_model  # noqa: F401  (the module fixture)
+from tiny import save_base, tiny_base
 
 from eagle.evaluation import bench, report
 
-# A chat template for the tiny word-level tokenizer (ids: "<s>"=0, "</s>"=1, "w2".."w15").
-TEMPLATE = "<s>{% for m in messages %} w3 {{ m['content'] }} w4{% endfor %}{% if add_generation_prompt %} w5{% endif %}"
-QUESTIONS = [
-    {"question_id": 81, "category": "writing", "turns": ["w7 w8 w9 w10 w7 w8", "w2"]},
-    {"question_id": 82, "category": "writing", "turns": ["w11 w12 w13 w11 w12 w13 w11", "w2"]},
-    {"question_id": 101, "category": "reasoning", "turns": ["w6 w14 w15 w6 w14"]},
-]
 METHODS = ["hf", "hf_pld", "vanilla", "eagle", "eagle_static"]
 
 
@@ -28,20 +21,6 @@ def one_thread():
     torch.set_num_threads(n)
 
 
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("bench")
-    base = tiny_base("llama", seed=8)  # a seed where one answer stops at </s> and drafts get accepted
-    save_base(base, str(folder / "base"))
-    tok = AutoTokenizer.from_pretrained(folder / "base")
-    tok.chat_template = TEMPLATE
-    tok.save_pretrained(folder / "base")
-    random_draft(base, str(folder / "head"), eagle3=True)
-    with open(folder / "questions.jsonl", "w") as f:
-        f.write("".join(json.dumps(q) + "\n" for q in QUESTIONS))
-    return folder
-
-
 def run_bench(folder, out, *extra):
     argv = [
         "--base-model-path", str(folder / "base"), "--ea-model-path", str(folder / "head"),
@@ -51,7 +30,7 @@ def run_bench(folder, out, *extra):
     return bench.main(argv)
 
 
-def test_bench_end_to_end_writes_json_table_and_plot(tiny_model, tmp_path, capsys):
+def test_bench_end_to_end_writes_json_table_and_plot(tiny_model, tmp_path, capsys):  # noqa: F811
     out = tmp_path / "out"
     result = run_bench(tiny_model, out, "--methods", ",".join(METHODS), "--json", str(tmp_path / "r.json"))
     data = json.loads((tmp_path / "r.json").read_text())
@@ -82,7 +61,7 @@ def test_bench_end_to_end_writes_json_table_and_plot(tiny_model, tmp_path, capsy
     assert "| eagle |" in capsys.readouterr().out
 
 
-def test_bench_limit_sampling_label_and_method_errors(tiny_model, tmp_path, capsys):
+def test_bench_limit_sampling_label_and_method_errors(tiny_model, tmp_path, capsys):  # noqa: F811
     data = run_bench(tiny_model, tmp_path, "--methods", "hf,eagle", "--limit", "2", "--temperature", "0.8",
                      "--label", "random head")  # fmt: skip
     assert data["questions"] == 2 and data["identical_to_hf"] is None  # outputs are compared only at T=0
@@ -98,7 +77,7 @@ def test_bench_limit_sampling_label_and_method_errors(tiny_model, tmp_path, caps
     assert "unknown method" in capsys.readouterr().err
 
 
-def test_hf_assisted_with_an_assistant_model(tiny_model, tmp_path):
+def test_hf_assisted_with_an_assistant_model(tiny_model, tmp_path):  # noqa: F811
     save_base(tiny_base("llama", seed=3, layers=2), str(tmp_path / "assistant"))
     data = run_bench(tiny_model, tmp_path, "--limit", "2", "--assistant-model", str(tmp_path / "assistant"))
     assert list(data["methods"]) == ["hf", "hf_pld", "hf_assisted", "vanilla", "eagle", "eagle_static"]

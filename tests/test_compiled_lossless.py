@@ -6,17 +6,21 @@ graphs compile in seconds). Architectures beyond Llama are marked slow (a compil
 
 import pytest
 import torch
-from test_lossless_greedy import PROMPTS
-from test_lossless_sampling import assert_follows_base_distribution, make_model
+from lossless_checks import (
+    FITS,
+    assert_every_tree_equals_generate,
+    assert_follows_base_distribution,
+    assert_vanilla_equals_generate,
+    make_model,
+)
 from tiny import random_draft, save_base, tiny_base
 from transformers import DynamicCache
 
 from eagle.model.ea_model import EaModel
-from eagle.model.generate import Budget, TreeSpec, eagle_rounds
+from eagle.model.generate import Budget, eagle_rounds
 from eagle.model.verify import SamplingParams, TokenPicker
 
 BASE_BUCKETS, DRAFT_BUCKETS = (8,), (4,)
-FITS = TreeSpec(total_token=8, depth=3, top_k=4)  # verified in the 8-row graph, drafted in the 4-row one
 
 
 def compile_now(model: EaModel) -> EaModel:
@@ -65,40 +69,6 @@ def test_compiled_greedy_eagle_and_vanilla_equal_hf_generate(tmp_path, arch, eag
     assert_every_tree_equals_generate(model, base)
     assert verify_calls[8] > 20 and draft_calls[4] > 20  # the graphs did the work
     assert_vanilla_equals_generate(model, base)
-
-
-# the default tree (60 nodes, width 10) verifies and drafts eagerly around the graphs of vanilla-size buckets
-TREES = {"fits": FITS, "static": TreeSpec(choices=((0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0))),
-         "default": TreeSpec()}  # fmt: skip
-
-
-def assert_every_tree_equals_generate(model, base) -> None:
-    """Greedy EAGLE equals greedy `generate` on every prompt with each of TREES, and some drafts were accepted."""
-    new_tokens = forwards = 0
-    for name, tree in TREES.items():
-        model.tree = tree
-        n, f = _assert_equal(model, base, name)
-        new_tokens, forwards = new_tokens + n, forwards + f
-    assert new_tokens / forwards > 1.05, "no drafted token was accepted: the trees were not exercised"
-
-
-def assert_vanilla_equals_generate(model, base) -> None:
-    ids = torch.tensor([PROMPTS[1]])
-    ref = base.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=32,
-                        min_new_tokens=32, eos_token_id=None, pad_token_id=0)  # fmt: skip
-    assert model.naivegenerate(ids, max_new_tokens=32, stop_token_ids=[]).tolist() == ref.tolist()
-
-
-def _assert_equal(model, base, name):
-    new_tokens = rounds = 0
-    for prompt in PROMPTS:
-        ids = torch.tensor([prompt])
-        ref = base.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=40,
-                            min_new_tokens=40, eos_token_id=None, pad_token_id=0)  # fmt: skip
-        out, n, r = model.eagenerate(ids, max_new_tokens=40, stop_token_ids=[], log=True)
-        assert out.tolist() == ref.tolist(), f"{name} tree diverged from greedy generate on the compiled path"
-        new_tokens, rounds = new_tokens + n, rounds + r + 1
-    return new_tokens, rounds
 
 
 def test_compiled_sampling_follows_the_base_distribution(tmp_path):

@@ -5,10 +5,14 @@ distribution; on CUDA (marked gpu) the same with the graphs captured, and one ho
 
 import pytest
 import torch
-from test_compiled_lossless import assert_every_tree_equals_generate, assert_vanilla_equals_generate
-from test_host_syncs import HostReads
-from test_lossless_greedy import PROMPTS
-from test_lossless_sampling import assert_follows_base_distribution, make_model
+from host_reads import HostReads
+from lossless_checks import (
+    PROMPTS,
+    assert_every_tree_equals_generate,
+    assert_follows_base_distribution,
+    assert_vanilla_equals_generate,
+    make_model,
+)
 from tiny import random_draft, save_base, tiny_base
 
 from eagle.model.checkpoint import read_checkpoint

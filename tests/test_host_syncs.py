@@ -3,34 +3,16 @@ one transfer (on a GPU every read is a sync that idles it). Counted on CPU with 
 (`tolist`, `item`, `int`, `bool`, ...); sampling on CPU draws per visited node (a read each, free on a CPU), so
 the count is pinned for greedy decoding and for the batched draw that CUDA uses."""
 
-import collections
-
 import pytest
 import torch
+from host_reads import HostReads
 from tiny import random_draft, tiny_base
-from torch.overrides import TorchFunctionMode
 
 from eagle.model.checkpoint import read_checkpoint
 from eagle.model.ea_model import EaModel, load_head
 from eagle.model.generate import TreeSpec
 from eagle.model.tree import MC_SIM_7B_63
 from eagle.model.verify import TokenPicker
-
-HOST_READS = {"tolist", "item", "__bool__", "__int__", "__index__", "__float__", "numpy"}
-
-
-class HostReads(TorchFunctionMode):
-    """Counts tensor -> Python reads made under it."""
-
-    def __init__(self):
-        super().__init__()
-        self.count = collections.Counter()
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        name = getattr(func, "__name__", "")
-        if name in HOST_READS:
-            self.count[name] += 1
-        return func(*args, **(kwargs or {}))
 
 
 @pytest.fixture(scope="module", params=[False, True], ids=["eagle12", "eagle3"])

@@ -8,10 +8,11 @@ import json
 import pytest
 import torch
 import transformers
-from test_lossless_greedy import NEW, PROMPTS
-from test_lossless_sampling import (
+from lossless_checks import (
+    NEW,
     P_VALUE,
     PROMPT,
+    PROMPTS,
     VOCAB,
     chi_square_p_value,
     sample_pairs,

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from lossless_checks import NEW, PROMPTS
 from tiny import VOCAB, random_draft, save_base, tiny_base
 
 from eagle.model.ea_model import EaModel
@@ -13,8 +14,6 @@ TREES = {
     "small": TreeSpec(total_token=12, depth=3, top_k=4),
     "static": TreeSpec(choices=tuple(map(tuple, MC_SIM_7B_63))),
 }
-PROMPTS = [[3, 4, 5], [7, 2, 9, 9, 11, 4, 2], [15, 14, 13, 12, 6]]
-NEW = 48
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen2", "mixtral", "llama31"])

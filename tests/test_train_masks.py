@@ -2,16 +2,9 @@
 
 import pytest
 import torch
+from chat_fixtures import SMOLLM2_TEMPLATE, byte_tokenizer
 
 from eagle.train.masks import FastChatTemplate, HFTemplate, TemplateError, encode_conversation
-
-# HuggingFaceTB/SmolLM2-135M-Instruct's chat template (ChatML with a default system prompt).
-SMOLLM2_TEMPLATE = (
-    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
-    "{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n' }}"
-    "{% endif %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}"
-    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
-)
 
 # meta-llama/Meta-Llama-3-8B-Instruct's chat template.
 LLAMA3_TEMPLATE = (
@@ -22,30 +15,12 @@ LLAMA3_TEMPLATE = (
     "{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}"
 )
 
-SPECIALS = ["<|im_start|>", "<|im_end|>", "<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
-            "<|eot_id|>", "<s>", "</s>"]  # fmt: skip
-
 CONVERSATION = [
     {"role": "user", "content": "What is 2+2? Answer briefly."},
     {"role": "assistant", "content": "It is 4.\n\nAnything else? (café)"},
     {"role": "user", "content": "Say hi to the assistant: ASSISTANT"},
     {"role": "assistant", "content": "  Hi!  "},
 ]
-
-
-def byte_tokenizer(bos: str, eos: str):
-    """A byte-level BPE without merges (every byte one token) plus the special tokens of several templates."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok)
-    fast.add_special_tokens({"additional_special_tokens": SPECIALS})
-    fast.bos_token, fast.eos_token = bos, eos
-    return fast
 
 
 def masked_text(tok, ids, mask) -> str:

@@ -1,6 +1,6 @@
 """Self-distillation: batched first-reply regeneration gives each conversation the reply it gets alone."""
 
-from test_train_masks import SMOLLM2_TEMPLATE, byte_tokenizer
+from chat_fixtures import SMOLLM2_TEMPLATE, byte_tokenizer
 from tiny import tiny_base
 
 from eagle.train.masks import HFTemplate

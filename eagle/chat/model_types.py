@@ -222,11 +222,14 @@ def forwards_description(model) -> str:
     return text
 
 
-def tree_description(model) -> str:
-    """The tree in one line, with the tuner's prediction when it was picked on this machine (total_token=-1)."""
+def tree_description(model, predictions: bool = True) -> str:
+    """The tree in one line, with the tuner's prediction (unless not `predictions`) when it was picked on this
+    machine (total_token=-1)."""
     t, c = model.tree, model.tree_choice
     text = f"total_token={t.total_token}, depth={t.depth}, top_k={t.top_k}"
-    if c is not None:
+    if c is not None and not predictions:
+        text += " (tuned on this machine)"
+    elif c is not None:
         text += f" (tuned on this machine: predicted {c.tokens_per_s:.1f} tokens/s, {c.tau:.2f} tokens per forward"
         text += f", draft head in {c.draft_dtype})" if c.draft_dtype else ")"
     return text

@@ -271,9 +271,9 @@ class CompiledDecode:
         cache.crop_to(cache.length - (rows - q))  # the pads' rows
         return logits[:q], None if feats is None else feats[:q]
 
-    def warm(self, log=None, context: int = 64) -> dict[int, float]:
-        """Compile every bucket now (a forward over dummy tokens); returns seconds per bucket."""
-        seconds = {}
+    def warm(self, log=None, context: int = 64, rows: list[int] | None = None) -> dict[int, float]:
+        """Compile every bucket (or those in `rows`) now, a forward over dummy tokens; returns seconds per bucket."""
+        seconds, only = {}, rows
         with torch.inference_mode():
             # room beyond the largest bucket, as every cache of a generation has (BaseModel.new_cache): a pass that
             # fills its cache exactly would be traced with the cache's size tied to its length, a graph of its own
@@ -282,7 +282,7 @@ class CompiledDecode:
             # eager, with features: transformers installs its hidden-state hooks on first use (a graph break if
             # that happened inside the graph)
             self.base.forward(ids, torch.arange(context)[None], cache, features=True, last_logits_only=True)
-            for rows in self.buckets:
+            for rows in self.buckets if only is None else only:
                 t0 = time.perf_counter()
                 ids = torch.zeros(1, rows, dtype=torch.long)
                 positions = torch.arange(context, context + rows)[None]

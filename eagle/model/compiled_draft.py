@@ -56,14 +56,15 @@ class CompiledDraft:
         out, log_probs = self.graphs.call(rows, (hidden, ids, positions, mask, cache, write_at))
         return out[:q], log_probs[:q]
 
-    def warm(self, log=None, context: int = 64) -> dict[int, float]:
-        """Compile every bucket now (a step over dummy rows after `context` cached ones); returns seconds per bucket."""
+    def warm(self, log=None, context: int = 64, rows: list[int] | None = None) -> dict[int, float]:
+        """Compile every bucket (or those in `rows`) now, a step over dummy rows after `context` cached ones; returns
+        seconds per bucket."""
         head = self.step.head
         dtype, H = head.fc.weight.dtype, head.config.hidden_size
-        seconds = {}
+        seconds, only = {}, rows
         with torch.inference_mode():  # the cache too: a tensor made outside it has other dispatch keys (a guard)
             cache = head.new_cache(context + 2 * max(self.buckets))
-            for rows in self.buckets:
+            for rows in self.buckets if only is None else only:
                 t0 = time.perf_counter()
                 allowed = torch.ones(rows, context + rows, dtype=torch.bool).tril(context)
                 self.run(torch.zeros(1, rows, H, dtype=dtype), torch.zeros(1, rows, dtype=torch.long),

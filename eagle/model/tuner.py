@@ -193,6 +193,12 @@ def measured_costs(model, depth_max: int, log=None) -> tuple[dict[int, float], d
     return verify, {key: s for key, s in draft.items() if key[0] <= depth_max}
 
 
+def forget_costs(model) -> None:
+    """Drop the cached costs of the model's forwards and draft steps as they run now (measured under load, say)."""
+    for path in (_cache_path(model, "-verify", head=False), _cache_path(model, "-draft")):
+        path.unlink(missing_ok=True)
+
+
 PLAN_ROWS = (1, 2, 4, 8, 16)  # row counts timed per kernel; a count in between takes the next one up's kernel
 
 

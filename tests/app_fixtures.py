@@ -1,12 +1,11 @@
-"""Shared pieces of the app tests: a tiny real EaModel behind an Engine, and a running server.
-
-(This module holds no tests; it is named test_app_* so it lives beside them.)"""
+"""Shared pieces of the app tests: a tiny real EaModel behind an Engine, and a running server (no tests here)."""
 
 from __future__ import annotations
 
 import contextlib
 import os
 import sys
+import time
 
 import torch
 from tiny import random_draft, save_base, tiny_base
@@ -16,7 +15,9 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 from app.engine import Engine  # noqa: E402
+from eagle.chat.templates import FittedPrompt  # noqa: E402
 from eagle.model.ea_model import EaModel  # noqa: E402
+from eagle.model.generate import Round  # noqa: E402
 
 VOCAB = 48  # word-level "w2".."w47": big enough for distinct replies to distinct prompts
 # A ChatML-like template over the tiny vocabulary: w4 = system, w2 = user, w3 = assistant, w5 = end of turn.
@@ -75,3 +76,63 @@ def greedy_reply(engine, turns, max_new_tokens: int, system: str = "") -> str:
     out = engine.model.eagenerate(torch.tensor([ids]), temperature=0.0, max_new_tokens=max_new_tokens,
                                   max_length=engine.max_length)  # fmt: skip
     return engine.tokenizer.decode(out[0, len(ids):].tolist(), skip_special_tokens=True)
+
+
+# a reply of known rounds: a scripted engine (no model) -------------------------------------------------
+LIST_ROUNDS = [  # a list, bold, code and HTML; in each round every piece but the last is drafted and accepted
+    ["Steps", ":", "\n\n"], ["-", " **", "Draft", " fast", "**"], [" with", " `", "code", "`", "\n"],
+    ["-", " <script>", "alert(1)", "</script>", " done"],
+]  # fmt: skip
+
+
+class PiecesTokenizer:
+    """Ids index a list of text pieces."""
+
+    def __init__(self, pieces: list[str]):
+        self.pieces = pieces
+
+    def decode(self, ids, skip_special_tokens=True, clean_up_tokenization_spaces=False):
+        return "".join(self.pieces[i] for i in ids)
+
+
+class ModelFreeEngine:
+    """What the page asks of an Engine besides its rounds: one path, a vanilla reference if set, no idle work."""
+
+    name, template, default_system, max_length, path, status, child = "fake", "fake", "", 2048, "eager", "", None
+
+    def __init__(self):
+        self.info, self.jobs, self.references, self.replies = {"model_type": "fake"}, [], {}, []
+
+    def reference(self, path=None):
+        return self.references.get(path or self.path)
+
+    def record_reply(self, path, tokens, rounds, seconds):
+        self.replies.append((path, tokens, rounds, seconds))
+
+    def reply_figures(self, path=None):
+        return ""
+
+    def waiting_lines(self):
+        return iter(())
+
+
+class ScriptedEngine(ModelFreeEngine):
+    """Answers every message with the same rounds: what the page needs of an Engine, without a model."""
+
+    name, template, max_length = "scripted", "scripted", 2048
+
+    def __init__(self, rounds: list[list[str]]):
+        super().__init__()
+        self.info = {"model_type": "scripted"}
+        self.tokenizer = PiecesTokenizer([p for r in rounds for p in r])
+        starts = [sum(map(len, rounds[:i])) for i in range(len(rounds))]
+        self.rounds_ids = [list(range(s, s + len(r))) for s, r in zip(starts, rounds)]
+
+    def fit(self, turns, system, max_new_tokens):
+        return FittedPrompt(ids=[0], dropped=0)
+
+    def rounds(self, ids, eagle=True, **_):
+        script = self.rounds_ids if eagle else [[t] for r in self.rounds_ids for t in r]
+        for i, tokens in enumerate(script):
+            time.sleep(0.05)
+            yield Round(tokens, len(tokens) - 1 if eagle else 0, 0.05, "eos" if i == len(script) - 1 else None)

@@ -1,8 +1,8 @@
 """The chat app's live speed against the bench's, on the same prompts in one run.
 
-    python -m eagle.evaluation.app_speed                                  # 6 MT-bench first turns, 128 new tokens
-    python -m eagle.evaluation.app_speed --prompts 8 --max-new-tokens 256 --json out/app_speed.json
-    python -m eagle.evaluation.app_speed --update-every 0.05,0.25   # two page update rates, in the same run
+    python -m app.speed_check                                # 6 MT-bench first turns, 128 new tokens
+    python -m app.speed_check --prompts 8 --max-new-tokens 256 --json out/app_speed.json
+    python -m app.speed_check --update-every 0.05,0.25       # two page update rates, in the same run
 
 One process: the model is loaded once as `launch.py` loads it (app.cli: the app's default tree, dtype, draft
 dtype, compile mode and warm-up), the real app is served on it in-process, and a headless Chromium page chats
@@ -333,7 +333,7 @@ def measure(engine, questions: list[dict], max_new_tokens: int, log, warmup: int
     from app.highlight import plain_text, render
     from app.ui import build, launch_options
 
-    from .methods import Settings, make_runners
+    from eagle.evaluation.methods import Settings, make_runners
 
     default_every = handlers.UPDATE_EVERY_S
     rates = list(update_every or [default_every])
@@ -428,7 +428,7 @@ def measure(engine, questions: list[dict], max_new_tokens: int, log, warmup: int
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m eagle.evaluation.app_speed", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m app.speed_check", description=__doc__.split("\n\n")[0])
     p.add_argument("--prompts", type=int, default=6, help="the first N MT-bench questions (first turns; default 6)")
     p.add_argument("--question-file", default=None, help="an MT-bench-format jsonl (default: MT-bench)")
     p.add_argument("--max-new-tokens", type=int, default=128, help="per reply, page and bench alike (default 128)")
@@ -456,8 +456,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> dict:
     from eagle.model.tuner import cpu_description
 
-    from .models import log
-    from .questions import load_mtbench_questions
+    from eagle.evaluation.models import log
+    from eagle.evaluation.questions import load_mtbench_questions
 
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
@@ -479,9 +479,10 @@ def main(argv: list[str] | None = None) -> dict:
 
     def work():
         try:
-            if engine.compiling is not None:  # the app's compiled rounds come in first: timed as a user gets them
-                log("waiting for the compiled rounds the app prepares in the background")
-                engine.finish_compiling()
+            if engine.jobs:  # the app's compiled rounds come in first: timed as a user gets them
+                log("waiting for the work the app does while idle (compiled rounds, vanilla timing)")
+                while engine.jobs:
+                    time.sleep(1)
             result.update(measure(engine, questions, args.max_new_tokens, log, args.warmup, update_every=every,
                                   retries=args.retries))  # fmt: skip
         except BaseException as e:  # noqa: BLE001 - re-raised on the main thread
@@ -496,7 +497,7 @@ def main(argv: list[str] | None = None) -> dict:
     if "error" in result:
         raise result["error"]
     result.update(
-        command="python -m eagle.evaluation.app_speed " + " ".join(argv), cpu=cpu_description(),
+        command="python -m app.speed_check " + " ".join(argv), cpu=cpu_description(),
         threads=torch.get_num_threads(), model=engine.info, max_new_tokens=args.max_new_tokens,
         load_average_before=load_before, load_average_after=os.getloadavg(),
         date=time.strftime("%Y-%m-%dT%H:%M:%S%z"),

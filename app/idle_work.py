@@ -1,0 +1,221 @@
+"""Model work done while no reply runs: the vanilla reference of each path, and compiled rounds loaded, measured
+against eager ones and put in use.
+
+Work comes as jobs: generators whose every step is one short unit of model work (seconds at most). Each yields,
+before a unit, a line that says what the unit does, or a `Wait` when it has nothing to do yet (the compiling child is
+still at work). `Engine.idle_step` runs one unit while no reply holds the model, so a message waits for one unit at
+most, and a reply never shares the model thread with a measurement. Measurements whose results are kept across
+starts are taken with the compiling child stopped, repeated until two agree, and never saved if another process
+used the CPU meanwhile (`OthersCpu`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Iterator
+
+REFERENCE_PROMPTS = (
+    "Explain in a few paragraphs how a bicycle works.",
+    "Write a short story about a lighthouse keeper who finds a message in a bottle.",
+    "Describe, step by step, how to make a good cup of tea.",
+)
+REFERENCE_TOKENS = 128  # new tokens per reference prompt
+BUSY_SHARE = 0.25  # others' CPU use, in cores, above which a measurement is not kept
+STABLE = 0.10  # two measurements agree when they differ by at most this share
+MAX_TRIES = 4
+
+
+@dataclass(frozen=True)
+class Wait:
+    """Nothing to run now (the child compiles); `line` says what is awaited."""
+
+    line: str
+
+
+@dataclass(frozen=True)
+class VanillaReference:
+    """Vanilla decoding on one path, timed while idle: the median seconds of one decode step (a base forward for
+    one token after the prompt's prefill)."""
+
+    path: str  # "eager" or "compiled"
+    step_s: float
+    source: str
+
+    def seconds(self, first_round_s: float, new_tokens: int) -> float:
+        """What vanilla decoding would take for a reply of `new_tokens` whose prefill (its first round, the same
+        base pass for both decoders) took `first_round_s`."""
+        return first_round_s + max(0, new_tokens - 1) * self.step_s
+
+
+# ---------------------------------------------------------------------------------------------------------
+def _proc_busy_ticks() -> tuple[int, int] | None:
+    """(ticks all CPUs spent busy, ticks this process spent), from /proc; None where there is no /proc."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+        with open("/proc/self/stat") as f:
+            own = f.read().rsplit(")", 1)[1].split()
+    except (OSError, ValueError, IndexError):
+        return None
+    busy = sum(fields[:8]) - fields[3] - fields[4]  # user nice system [idle iowait] irq softirq steal
+    return busy, int(own[11]) + int(own[12])  # utime + stime of all threads
+
+
+class OthersCpu:
+    """`with OthersCpu() as load:` then `load.cores`: the CPU other processes used meanwhile, in cores."""
+
+    cores = 0.0
+
+    def __enter__(self) -> "OthersCpu":
+        self._t0, self._ticks0 = time.monotonic(), _proc_busy_ticks()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        ticks = _proc_busy_ticks()
+        wall = time.monotonic() - self._t0
+        if ticks is None or self._ticks0 is None or wall <= 0:
+            return
+        others = (ticks[0] - self._ticks0[0]) - (ticks[1] - self._ticks0[1])
+        self.cores = max(0.0, others / os.sysconf("SC_CLK_TCK") / wall)
+
+    @property
+    def busy(self) -> bool:
+        return self.cores > BUSY_SHARE
+
+
+def stable(values: list[float]) -> bool:
+    """The last two measurements agree."""
+    return len(values) >= 2 and abs(values[-1] - values[-2]) <= STABLE * max(values[-1], values[-2])
+
+
+# ---------------------------------------------------------------------------------------------------------
+def vanilla_reference(engine, path: str, within=contextlib.nullcontext) -> Iterator[str]:
+    """Time vanilla decoding on REFERENCE_PROMPTS (a unit each, inside `within()`: the path's forwards in use) and
+    set it as the engine's reference for `path`: the median of the runs' median step times."""
+    steps = []
+    for i, prompt in enumerate(REFERENCE_PROMPTS):
+        yield f"timing vanilla decoding ({path} forwards), prompt {i + 1} of {len(REFERENCE_PROMPTS)}"
+        ids = engine.prompt_ids([(prompt, None)], engine.default_system)
+        with within():
+            seconds = [r.seconds for r in engine.decode(ids, eagle=False, max_new_tokens=REFERENCE_TOKENS)]
+        if len(seconds) > 1:
+            steps.append(statistics.median(seconds[1:]))  # the first round is the prefill
+    if steps:
+        source = (f"vanilla decoding on {path} forwards, timed while idle ({len(steps)} prompts, "
+                  f"{REFERENCE_TOKENS} tokens each)")  # fmt: skip
+        engine.set_reference(VanillaReference(path, statistics.median(steps), source))
+
+
+@contextlib.contextmanager
+def rounds_in_use(model, base_graphs, head, draft_graphs):
+    """The model with these compiled rounds (base graphs, a head and its draft graphs; None = eager), as it was
+    after the block."""
+    saved = (model.base.compiled, model.ea_layer, model.compiled_draft, model.tree, model.tree_choice)
+    model.base.compiled = base_graphs
+    if head is not None:
+        model.ea_layer, model.compiled_draft = head, draft_graphs
+    try:
+        yield model
+    finally:
+        model.base.compiled, model.ea_layer, model.compiled_draft, model.tree, model.tree_choice = saved
+
+
+def compiled_vs_eager(model, base_graphs, rows) -> tuple[dict, bool]:
+    """ms per forward over each of `rows`, compiled and eager, alternated; (result, under load)."""
+    with OthersCpu() as load:
+        ms = {"compiled": {}, "eager": {}}
+        for way in ("compiled", "eager"):
+            with rounds_in_use(model, base_graphs if way == "compiled" else None, None, None):
+                ms[way] = {n: 1e3 * s for n, s in model.base.pass_seconds(list(rows)).items()}
+    return ms, load.busy
+
+
+def _verdict_path(spec_key: str):
+    from eagle.fetch import cache_dir
+
+    return cache_dir() / "compiled" / f"{spec_key}-verdict.json"
+
+
+def saved_verdict(spec_key: str) -> dict | None:
+    try:
+        return json.loads(_verdict_path(spec_key).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def compiled_rounds(engine, child, spec, mode: str, log) -> Iterator[str | Wait]:
+    """Wait for `child` (a ChildCompile, or None when the graphs are in the cache already), load the graphs from the
+    cache a graph a unit, decide (mode "auto": only where compiled forwards measure faster, idle and stable), then
+    tune the tree and time vanilla decoding with them, and put them in use."""
+    import torch
+
+    from .precompile import load_compiled_head
+
+    model = engine.model
+    while child is not None and not child.finished:
+        yield Wait(child.progress())
+    engine.child = None  # nothing left to stop while the model works
+    if child is not None and child.error:
+        log(f"compiling stopped ({child.error}); still decoding eagerly")
+        engine.set_status(f"compiling failed ({child.error}): decoding eagerly")
+        return
+    if child is not None:
+        log(f"compiled {len(child.compiled)} graphs in {time.monotonic() - child.started:.0f} s")
+    yield "loading the compiled graphs"
+    base_graphs = model.base.compile(spec.base_buckets)
+    head = load_compiled_head(model.base_model, spec.head_path, getattr(torch, spec.draft_dtype))
+    draft_graphs = model.compile_draft(spec.draft_buckets, head=head)
+    graphs = spec.graphs()
+    for i, (kind, rows) in enumerate(graphs):
+        yield f"loading the compiled graphs: {i + 1} of {len(graphs)} ({rows}-row {kind})"
+        seconds = (base_graphs if kind == "base" else draft_graphs).warm(rows=[rows])[rows]
+        log(f"loaded the {rows}-row {kind} graph in {seconds:.1f} s")
+
+    verdict, tries, ratio = saved_verdict(spec.key()), [], None
+    for attempt in range(MAX_TRIES if verdict is None else 0):
+        yield f"timing compiled against eager forwards (try {attempt + 1})"
+        ms, busy = compiled_vs_eager(model, base_graphs, spec.base_buckets)
+        ratio = sum(ms["compiled"].values()) / sum(ms["eager"].values())
+        if busy:
+            log("compiled vs eager: another process used the CPU meanwhile; timing again")
+            continue
+        tries.append(ratio)
+        if stable(tries):
+            verdict = {"ms": ms, "compiled_over_eager": round(tries[-1], 3), "compiled_pays": tries[-1] < 1.0}
+            _verdict_path(spec.key()).parent.mkdir(parents=True, exist_ok=True)
+            _verdict_path(spec.key()).write_text(json.dumps(verdict))
+            log("compiled vs eager, ms per forward over " + "/".join(map(str, spec.base_buckets)) + " rows: "
+                + "/".join(f"{ms['compiled'][n]:.1f}" for n in spec.base_buckets) + " vs "
+                + "/".join(f"{ms['eager'][n]:.1f}" for n in spec.base_buckets))  # fmt: skip
+            break
+    if verdict is None:  # never stable or never idle: decided for this run only, from the last try
+        verdict = {"compiled_pays": ratio is not None and ratio < 1.0}
+    if not verdict["compiled_pays"] and mode == "auto":
+        model.base.decompile()
+        log("compiled forwards measured slower than eager here: decoding eagerly")
+        engine.set_status("compiled forwards measured slower than eager here: decoding eagerly")
+        return
+
+    tree = None
+    if model.acceptance is not None:
+        yield "tuning the draft tree for compiled rounds"
+        with rounds_in_use(model, base_graphs, head, draft_graphs), OthersCpu() as load:
+            model.tune_tree(log)
+            tree = (model.tree, model.tree_choice)
+        if load.busy:  # measured costs are cached for later starts: not these
+            from eagle.model.tuner import forget_costs
+
+            with rounds_in_use(model, base_graphs, head, draft_graphs):
+                forget_costs(model)
+    yield from vanilla_reference(engine, "compiled", lambda: rounds_in_use(model, base_graphs, head, draft_graphs))
+    yield "putting the compiled rounds in use"
+    model.base.compiled, model.ea_layer, model.compiled_draft = base_graphs, head, draft_graphs
+    if tree is not None:
+        model.tree, model.tree_choice = tree
+    engine.compiled_in_use()
+    log("compiled rounds in use")

@@ -1,0 +1,266 @@
+"""Compiling the rounds in a child process, so that no reply shares the cores with the compiler.
+
+The app serves eagerly from the start. A child process (`python -m app.precompile SPEC`) loads the same model and
+compiles the graphs the spec names, which fills inductor's on-disk cache; the app then loads them from that cache
+on its model thread while no reply runs (`app/idle_work.py`). Two children share the graphs (one core
+each). They run at the lowest CPU priority, each in a process group of its own, and `ChildCompile.pause` stops the
+whole groups (the compiler's worker processes too) while the model thread works: a reply decodes as on an idle
+machine, and the compile goes on in the idle time between replies. A child reports on stdout, one JSON object a
+line:
+  {"event": "loaded", "seconds": s}
+  {"event": "compiled", "graph": "8-row base forward", "done": i, "total": n of its share, "seconds": s}
+  {"event": "done"}  or  {"event": "failed", "error": "..."}
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass(frozen=True)
+class CompileSpec:
+    """What to compile: the model as the app loaded it (so that every graph's cache key, which covers the
+    weights, matches the app's) and the graphs' row buckets."""
+
+    base_path: str
+    head_path: str
+    dtype: str  # the base's, e.g. "float32"
+    draft_dtype: str  # the compiled head's
+    few_row_plan: dict[int, str] | None  # the base's eager few-row plan (base.compile starts from it); None = none
+    base_buckets: tuple[int, ...]
+    draft_buckets: tuple[int, ...]
+    threads: int
+    extra: dict = field(default_factory=dict)  # from_pretrained keywords of the app's load (gguf_file, ...)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> "CompileSpec":
+        d = json.loads(text)
+        plan = d["few_row_plan"]
+        d["few_row_plan"] = None if plan is None else {int(k): v for k, v in plan.items()}
+        d["base_buckets"], d["draft_buckets"] = tuple(d["base_buckets"]), tuple(d["draft_buckets"])
+        return cls(**d)
+
+    def graphs(self) -> list[tuple[str, int]]:
+        """("base" | "draft", rows) in the order they are compiled and loaded."""
+        return [("base", r) for r in self.base_buckets] + [("draft", r) for r in self.draft_buckets]
+
+    def key(self) -> str:
+        """The spec, torch, the compiled code and options, and this machine: a manifest under this name says the
+        graphs are in inductor's cache."""
+        import torch
+
+        from eagle.model.tuner import compiled_options, cpu_description
+
+        what = [self.to_json(), torch.__version__, compiled_options(), cpu_description()]
+        return hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()[:20]
+
+
+def manifest_path(spec: CompileSpec) -> Path:
+    from eagle.fetch import cache_dir
+
+    return cache_dir() / "compiled" / f"{spec.key()}.json"
+
+
+def compiled_before(spec: CompileSpec) -> bool:
+    """Whether a child compiled these graphs to the inductor cache that is still there."""
+    path = manifest_path(spec)
+    if not path.is_file():
+        return False
+    try:
+        return Path(json.loads(path.read_text())["inductor_cache"]).is_dir()
+    except (ValueError, KeyError, OSError):
+        return False
+
+
+# the app's side ------------------------------------------------------------------------------------------
+class ChildCompile:
+    """Child processes compiling `spec`'s graphs, `workers` at once (each graph's compile runs on one core: its
+    tracing and lowering in Python, then one C++ build); `pause()` / `resume()` stop and continue them all."""
+
+    def __init__(self, spec: CompileSpec, workers: int = 2):
+        self.spec = spec
+        self.started = time.monotonic()
+        self.compiled: list[str] = []  # graphs compiled so far, in the order they finished
+        self.error: str | None = None
+        self.paused = False
+        self._lock = threading.Lock()
+        self._ended = 0  # children whose output has been read to the end
+        graphs = spec.graphs()
+        shares = [graphs[i::workers] for i in range(max(1, min(workers, len(graphs))))]
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+        self.processes = [subprocess.Popen(
+            [sys.executable, "-m", "app.precompile", spec.to_json(), json.dumps(share)], cwd=str(ROOT), env=env,
+            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, start_new_session=True,
+        ) for share in shares]  # fmt: skip
+        self._readers = [threading.Thread(target=self._read, args=(p,), name="precompile-reader", daemon=True)
+                         for p in self.processes]  # fmt: skip
+        for reader in self._readers:
+            reader.start()
+
+    def _read(self, process) -> None:
+        for line in process.stdout:
+            try:
+                event = json.loads(line)
+            except ValueError:
+                continue  # a library's print
+            with self._lock:
+                if event.get("event") == "compiled":
+                    self.compiled.append(event["graph"])
+                elif event.get("event") == "failed":
+                    self.error = self.error or event.get("error") or "unknown error"
+        code = process.wait()
+        with self._lock:
+            if code != 0 and self.error is None:
+                self.error = f"a compiling process exited with code {code}"
+            self._ended += 1
+            if self.finished and self.error is None:
+                self._write_manifest()
+
+    @property
+    def finished(self) -> bool:
+        """Every child has ended and said so (a manifest is written first when all succeeded)."""
+        return self._ended == len(self.processes)
+
+    def _write_manifest(self) -> None:
+        from eagle.model.compiled import use_project_inductor_cache
+
+        manifest = manifest_path(self.spec)
+        manifest.parent.mkdir(parents=True, exist_ok=True)
+        manifest.write_text(json.dumps({"spec": json.loads(self.spec.to_json()),
+                                        "inductor_cache": use_project_inductor_cache()}))  # fmt: skip
+
+    @property
+    def ok(self) -> bool:
+        return self.finished and self.error is None
+
+    def _signal(self, sig) -> None:
+        for p in self.processes:
+            try:
+                os.killpg(p.pid, sig)
+            except (ProcessLookupError, PermissionError):
+                pass  # ended
+
+    def pause(self) -> None:
+        with self._lock:
+            if not self.paused:
+                self._signal(signal.SIGSTOP)
+                self.paused = True
+
+    def resume(self) -> None:
+        with self._lock:
+            if self.paused:
+                self._signal(signal.SIGCONT)
+                self.paused = False
+
+    def stop(self) -> None:
+        """End the children (and their compiler workers) for good."""
+        self._signal(signal.SIGKILL)
+        self.paused = False
+
+    def progress(self) -> str:
+        n, total = len(self.compiled), len(self.spec.graphs())
+        elapsed = time.monotonic() - self.started
+        state = " (paused while the model works)" if self.paused else ""
+        return (f"compiling the rounds in {len(self.processes)} background process"
+                f"{'es' if len(self.processes) > 1 else ''}: {n} of {total} graphs done, "
+                f"{elapsed // 60:.0f}:{elapsed % 60:02.0f} elapsed{state}")  # fmt: skip
+
+
+def _graph_name(kind: str, rows: int) -> str:
+    return f"{rows}-row {'base forward' if kind == 'base' else 'draft step'}"
+
+
+# the child's side ----------------------------------------------------------------------------------------
+def _emit(**event) -> None:
+    print(json.dumps(event), flush=True)
+
+
+def end_with_parent() -> None:
+    """This process is killed when the app that started it ends (Linux; elsewhere it ends after its compile)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def lowest_priority() -> None:
+    """This process (and what it starts) runs only on cycles no one else wants."""
+    try:
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+    except (AttributeError, OSError):
+        pass
+    try:
+        os.nice(19)
+    except OSError:
+        pass
+
+
+def load_compiled_head(base_model, head_path: str, dtype):
+    """The head as the compiled draft steps freeze it: read from its checkpoint in `dtype` (never a cast of another
+    dtype's copy, whose rounding would change the weights and so the graphs' cache keys)."""
+    from eagle.model.checkpoint import read_checkpoint
+    from eagle.model.ea_model import load_head
+
+    config, state = read_checkpoint(head_path)
+    return load_head(base_model, config, state, None, dtype)
+
+
+def compile_graphs(spec: CompileSpec, share: list[tuple[str, int]], on_graph=lambda kind, rows, seconds: None) -> None:
+    """Compile the graphs of `share` (part of `spec.graphs()`) for the model `spec` names."""
+    import torch
+
+    from eagle.model.ea_model import EaModel
+
+    torch.set_num_threads(spec.threads)
+    t0 = time.perf_counter()
+    plan = False if spec.few_row_plan is None else spec.few_row_plan
+    model = EaModel.from_pretrained(spec.base_path, spec.head_path, total_token=8, depth=2, top_k=2,
+                                    dtype=getattr(torch, spec.dtype), few_row_kernels=plan, **spec.extra)  # fmt: skip
+    _emit(event="loaded", seconds=round(time.perf_counter() - t0, 1))
+    head = load_compiled_head(model.base_model, spec.head_path, getattr(torch, spec.draft_dtype))
+    base_graphs = model.base.compile(spec.base_buckets)
+    draft_graphs = model.compile_draft(spec.draft_buckets, head=head)
+    for kind, rows in share:
+        seconds = (base_graphs if kind == "base" else draft_graphs).warm(rows=[rows])[rows]
+        on_graph(kind, rows, seconds)
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    end_with_parent()
+    lowest_priority()
+    spec = CompileSpec.from_json(argv[0])
+    share = [tuple(g) for g in json.loads(argv[1])] if len(argv) > 1 else spec.graphs()
+    done = []
+
+    def on_graph(kind: str, rows: int, seconds: float) -> None:
+        done.append(rows)
+        _emit(event="compiled", graph=_graph_name(kind, rows), done=len(done), total=len(share),
+              seconds=round(seconds, 1))  # fmt: skip
+
+    try:
+        compile_graphs(spec, share, on_graph)
+    except Exception as e:  # noqa: BLE001 - reported to the app, which keeps decoding eagerly
+        _emit(event="failed", error=f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+        raise SystemExit(1) from None
+    _emit(event="done")
+
+
+if __name__ == "__main__":
+    main()
