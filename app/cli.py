@@ -187,7 +187,8 @@ def compile_spec(loaded):
     verify = bucket_for(min(tree.max_nodes, max(BUCKETS)), BUCKETS)
     draft = bucket_for(min(max(tree.top_k, tree.depth + 1), max(DRAFT_BUCKETS)), DRAFT_BUCKETS)
     return CompileSpec(
-        base_path=loaded.base_path, head_path=loaded.head_path, dtype=loaded.dtype, draft_dtype=draft_dtype,
+        base_path=os.path.realpath(loaded.base_path), head_path=os.path.realpath(loaded.head_path), dtype=loaded.dtype,
+        draft_dtype=draft_dtype,
         few_row_plan=few_rows.plan_of(model.base_model), threads=torch.get_num_threads(),
         base_buckets=tuple(b for b in BUCKETS if b <= max(verify, 8)),
         draft_buckets=tuple(b for b in DRAFT_BUCKETS if b <= draft),

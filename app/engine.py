@@ -27,7 +27,7 @@ from typing import Iterator, Sequence
 from eagle.chat.templates import FittedPrompt, Turn, build_prompt, encode, fit_turns, resolve_kind
 from eagle.model.generate import Round
 
-from .idle_work import VanillaReference, Wait
+from .idle_work import Loading, VanillaReference, Wait
 
 LOCK_TIMEOUT_S = 300.0
 PATHS = ("eager", "compiled")
@@ -141,8 +141,9 @@ class Engine:
 
     # using the model -----------------------------------------------------------------------------------------
     @contextlib.contextmanager
-    def _model(self, what: str, timeout: float | None = LOCK_TIMEOUT_S):
-        """Hold the model for `what`: one user at a time, and the compiling child stopped meanwhile."""
+    def _model(self, what: str, timeout: float | None = LOCK_TIMEOUT_S, pause_child: bool = True):
+        """Hold the model for `what`: one user at a time, and (unless not `pause_child`: work that times nothing)
+        the compiling children stopped meanwhile."""
         if timeout == 0:  # idle work: only when no generation waits for the model either
             if self._waiting or not self._lock.acquire(blocking=False):
                 raise EngineBusy("the model is in use")
@@ -152,7 +153,7 @@ class Engine:
             if not acquired:
                 raise EngineBusy("the model is busy with another generation; try again")
         try:
-            if self.child is not None:
+            if self.child is not None and pause_child:
                 self.child.pause()
             self.activity = (what, time.monotonic())
             yield
@@ -191,14 +192,43 @@ class Engine:
                top_k: int = 0, max_new_tokens: int = 512) -> Iterator[Round]:  # fmt: skip
         """The model's rounds for one generation, holding the model for the whole run."""
         with self._model("reply"):
-            yield from self._on_model_thread_stream(self.decode(ids, eagle, temperature, top_p, top_k, max_new_tokens))
+            stream = self.decode(ids, eagle, temperature, top_p, top_k, max_new_tokens)
+            if self._calls is None or threading.current_thread() is self._server_thread:
+                try:
+                    yield from stream
+                finally:
+                    stream.close()
+            else:
+                yield from self._from_model_thread(stream)
 
-    def _on_model_thread_stream(self, stream: Iterator[Round]) -> Iterator[Round]:
+    def _from_model_thread(self, stream: Iterator[Round]) -> Iterator[Round]:
+        """`stream` run on the model thread round after round, as the idle work's timings run, without waiting for
+        the reader between rounds (a thread that waits lets libgomp's team fall asleep, and every round paid the
+        wake-up); the rounds reach the reader through a queue. Closing this generator ends the stream after the
+        round in progress, and returns once the model thread is done with it."""
+        rounds, stop, done = queue.SimpleQueue(), threading.Event(), Future()
+
+        def produce() -> None:
+            try:
+                for r in stream:
+                    rounds.put(r)
+                    if stop.is_set():
+                        break
+            except BaseException as e:  # noqa: BLE001 - raised in the reader's thread
+                rounds.put(e)
+            finally:
+                stream.close()
+                rounds.put(None)
+
+        self._calls.put((done, produce, ()))
         try:
-            while (r := self._on_model_thread(next, stream, None)) is not None:
+            while (r := rounds.get()) is not None:
+                if isinstance(r, BaseException):
+                    raise r
                 yield r
         finally:
-            self._on_model_thread(stream.close)
+            stop.set()
+            done.result()
 
     def decode(self, ids: list[int], eagle: bool = True, temperature: float = 0.0, top_p: float = 0.0,
                top_k: int = 0, max_new_tokens: int = 512) -> Iterator[Round]:  # fmt: skip
@@ -226,9 +256,10 @@ class Engine:
                 self.status = line.line
                 self._pending[job] = line
                 continue
+            text = line.line if isinstance(line, Loading) else line
             try:
-                with self._model(line, timeout=0):
-                    self.status = line
+                with self._model(text, timeout=0, pause_child=not isinstance(line, Loading)):
+                    self.status = text
                     after = self._next_unit(job)  # runs the unit
                 if after is not None:
                     self._pending[job] = after

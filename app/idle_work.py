@@ -1,9 +1,10 @@
 """Model work done while no reply runs: the vanilla reference of each path, and compiled rounds loaded, measured
 against eager ones and put in use.
 
-Work comes as jobs: generators whose every step is one short unit of model work (seconds at most). Each yields,
-before a unit, a line that says what the unit does, or a `Wait` when it has nothing to do yet (the compiling child is
-still at work). `Engine.idle_step` runs one unit while no reply holds the model, so a message waits for one unit at
+Work comes as jobs: generators whose every step is one unit of model work (seconds; a graph loaded from the cache
+takes up to a minute on a 2-core CPU). Each yields, before a unit, a line that says what the unit does (a `Loading`
+when it times nothing, so that the compiling children go on beside it), or a `Wait` when it has nothing to do yet
+(the graph it needs next is still being compiled). `Engine.idle_step` runs one unit while no reply holds the model, so a message waits for one unit at
 most, and a reply never shares the model thread with a measurement. Measurements whose results are kept across
 starts are taken with the compiling child stopped, repeated until two agree, and never saved if another process
 used the CPU meanwhile (`OthersCpu`).
@@ -33,6 +34,13 @@ MAX_TRIES = 4
 @dataclass(frozen=True)
 class Wait:
     """Nothing to run now (the child compiles); `line` says what is awaited."""
+
+    line: str
+
+
+@dataclass(frozen=True)
+class Loading:
+    """A unit that times nothing (loading graphs): the compiling children may go on beside it."""
 
     line: str
 
@@ -97,17 +105,18 @@ def stable(values: list[float]) -> bool:
 def vanilla_reference(engine, path: str, within=contextlib.nullcontext) -> Iterator[str]:
     """Time vanilla decoding on REFERENCE_PROMPTS (a unit each, inside `within()`: the path's forwards in use) and
     set it as the engine's reference for `path`: the median of the runs' median step times."""
-    steps = []
+    steps, busy = [], False
     for i, prompt in enumerate(REFERENCE_PROMPTS):
         yield f"timing vanilla decoding ({path} forwards), prompt {i + 1} of {len(REFERENCE_PROMPTS)}"
         ids = engine.prompt_ids([(prompt, None)], engine.default_system)
-        with within():
+        with within(), OthersCpu() as load:
             seconds = [r.seconds for r in engine.decode(ids, eagle=False, max_new_tokens=REFERENCE_TOKENS)]
+        busy = busy or load.busy
         if len(seconds) > 1:
             steps.append(statistics.median(seconds[1:]))  # the first round is the prefill
     if steps:
         source = (f"vanilla decoding on {path} forwards, timed while idle ({len(steps)} prompts, "
-                  f"{REFERENCE_TOKENS} tokens each)")  # fmt: skip
+                  f"{REFERENCE_TOKENS} tokens each{'; another process used the CPU meanwhile' if busy else ''})")
         engine.set_reference(VanillaReference(path, statistics.median(steps), source))
 
 
@@ -125,14 +134,14 @@ def rounds_in_use(model, base_graphs, head, draft_graphs):
         model.base.compiled, model.ea_layer, model.compiled_draft, model.tree, model.tree_choice = saved
 
 
-def compiled_vs_eager(model, base_graphs, rows) -> tuple[dict, bool]:
-    """ms per forward over each of `rows`, compiled and eager, alternated; (result, under load)."""
+def compiled_vs_eager(model, base_graphs, rows) -> tuple[dict, float]:
+    """ms per forward over each of `rows`, compiled and eager; (result, other processes' CPU meanwhile in cores)."""
     with OthersCpu() as load:
         ms = {"compiled": {}, "eager": {}}
         for way in ("compiled", "eager"):
             with rounds_in_use(model, base_graphs if way == "compiled" else None, None, None):
                 ms[way] = {n: 1e3 * s for n, s in model.base.pass_seconds(list(rows)).items()}
-    return ms, load.busy
+    return ms, load.cores
 
 
 def _verdict_path(spec_key: str):
@@ -148,41 +157,48 @@ def saved_verdict(spec_key: str) -> dict | None:
         return None
 
 
-def compiled_rounds(engine, child, spec, mode: str, log) -> Iterator[str | Wait]:
+def compiled_rounds(engine, child, spec, mode: str, log) -> Iterator[str | Loading | Wait]:
     """Wait for `child` (a ChildCompile, or None when the graphs are in the cache already), load the graphs from the
     cache a graph a unit, decide (mode "auto": only where compiled forwards measure faster, idle and stable), then
     tune the tree and time vanilla decoding with them, and put them in use."""
     import torch
 
-    from .precompile import load_compiled_head
+    from .precompile import graph_name, load_compiled_head
 
     model = engine.model
+    graphs, base_graphs = spec.graphs(), None
+    for i, (kind, rows) in enumerate(graphs):  # each as soon as a child has compiled it
+        while child is not None and graph_name(kind, rows) not in child.compiled and not child.finished:
+            yield Wait(child.progress())
+        if child is not None and child.error:
+            break
+        yield Loading(f"loading the compiled graphs: {i + 1} of {len(graphs)} ({rows}-row {kind})")
+        if base_graphs is None:
+            base_graphs = model.base.compile(spec.base_buckets)
+            head = load_compiled_head(model.base_model, spec.head_path, getattr(torch, spec.draft_dtype))
+            draft_graphs = model.compile_draft(spec.draft_buckets, head=head)
+        seconds = (base_graphs if kind == "base" else draft_graphs).warm(rows=[rows])[rows]
+        log(f"loaded the {rows}-row {kind} graph in {seconds:.1f} s")
     while child is not None and not child.finished:
         yield Wait(child.progress())
     engine.child = None  # nothing left to stop while the model works
     if child is not None and child.error:
+        if base_graphs is not None:
+            yield "back to eager forwards"
+            model.base.decompile()
         log(f"compiling stopped ({child.error}); still decoding eagerly")
         engine.set_status(f"compiling failed ({child.error}): decoding eagerly")
         return
     if child is not None:
         log(f"compiled {len(child.compiled)} graphs in {time.monotonic() - child.started:.0f} s")
-    yield "loading the compiled graphs"
-    base_graphs = model.base.compile(spec.base_buckets)
-    head = load_compiled_head(model.base_model, spec.head_path, getattr(torch, spec.draft_dtype))
-    draft_graphs = model.compile_draft(spec.draft_buckets, head=head)
-    graphs = spec.graphs()
-    for i, (kind, rows) in enumerate(graphs):
-        yield f"loading the compiled graphs: {i + 1} of {len(graphs)} ({rows}-row {kind})"
-        seconds = (base_graphs if kind == "base" else draft_graphs).warm(rows=[rows])[rows]
-        log(f"loaded the {rows}-row {kind} graph in {seconds:.1f} s")
 
     verdict, tries, ratio = saved_verdict(spec.key()), [], None
     for attempt in range(MAX_TRIES if verdict is None else 0):
         yield f"timing compiled against eager forwards (try {attempt + 1})"
-        ms, busy = compiled_vs_eager(model, base_graphs, spec.base_buckets)
+        ms, others = compiled_vs_eager(model, base_graphs, spec.base_buckets)
         ratio = sum(ms["compiled"].values()) / sum(ms["eager"].values())
-        if busy:
-            log("compiled vs eager: another process used the CPU meanwhile; timing again")
+        if others > BUSY_SHARE:
+            log(f"compiled vs eager: another process used the CPU meanwhile ({others:.2f} cores); timing again")
             continue
         tries.append(ratio)
         if stable(tries):

@@ -180,7 +180,7 @@ class ChildCompile:
                 f"{elapsed // 60:.0f}:{elapsed % 60:02.0f} elapsed{state}")  # fmt: skip
 
 
-def _graph_name(kind: str, rows: int) -> str:
+def graph_name(kind: str, rows: int) -> str:
     return f"{rows}-row {'base forward' if kind == 'base' else 'draft step'}"
 
 
@@ -251,7 +251,7 @@ def main(argv: list[str] | None = None) -> None:
 
     def on_graph(kind: str, rows: int, seconds: float) -> None:
         done.append(rows)
-        _emit(event="compiled", graph=_graph_name(kind, rows), done=len(done), total=len(share),
+        _emit(event="compiled", graph=graph_name(kind, rows), done=len(done), total=len(share),
               seconds=round(seconds, 1))  # fmt: skip
 
     try:

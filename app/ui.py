@@ -75,7 +75,7 @@ def model_info_md(engine) -> str:
             ("draft", i.get("draft")), ("tree", i.get("tree")), ("forwards", i.get("forwards")),
             ("in the background", engine.status if engine.jobs or engine.child else None),
             ("EAGLE replies", engine.reply_figures()),
-            ("vanilla reference", f"{1 / reference.step_s:.1f} tokens/s per step ({reference.source})"
+            ("vanilla reference", f"{1 / reference.step_s:.1f} tokens/s after the prefill ({reference.source})"
              if reference else f"being timed ({engine.path} forwards)"),
             ("dtype / device", i.get("dtype_device")),
             ("context", f"{engine.max_length:,} tokens"), ("template", engine.template)]  # fmt: skip
