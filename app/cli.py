@@ -144,8 +144,8 @@ def load_engine(args):
 
 
 def start_compiled_rounds(engine, loaded, mode: str, log=lambda line: print(f"[compile] {line}")) -> None:
-    """Compiled rounds for `engine`: on CUDA, CUDA graphs captured now (seconds); on a CPU, compiled by a child
-    process (minutes the first time) and brought in by the idle work (app/idle_work.py)."""
+    """Compiled rounds for `engine`: on CUDA, CUDA graphs captured now (seconds); on a CPU, compiled by child
+    processes (minutes the first time) and brought in by the idle work (app/idle_work.py)."""
     from eagle.model.tuner import compile_rounds
 
     from .idle_work import compiled_rounds, saved_verdict
@@ -163,7 +163,7 @@ def start_compiled_rounds(engine, loaded, mode: str, log=lambda line: print(f"[c
         engine.set_status("eager: compiled forwards measured slower here before (--compile on to use them anyway)")
         return
     if not compiled_before(spec):
-        log(f"compiling {len(spec.graphs())} graphs in a child process, paused while the model decodes")
+        log(f"compiling {len(spec.graphs())} graphs in child processes, stopped whenever the model decodes or measures")
         engine.child = ChildCompile(spec)
     engine.add_job(compiled_rounds(engine, engine.child, spec, mode, log))
     engine.set_status("compiled rounds being prepared")

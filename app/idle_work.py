@@ -4,10 +4,10 @@ against eager ones and put in use.
 Work comes as jobs: generators whose every step is one unit of model work (seconds; a graph loaded from the cache
 takes up to a minute on a 2-core CPU). Each yields, before a unit, a line that says what the unit does (a `Loading`
 when it times nothing, so that the compiling children go on beside it), or a `Wait` when it has nothing to do yet
-(the graph it needs next is still being compiled). `Engine.idle_step` runs one unit while no reply holds the model, so a message waits for one unit at
-most, and a reply never shares the model thread with a measurement. Measurements whose results are kept across
-starts are taken with the compiling child stopped, repeated until two agree, and never saved if another process
-used the CPU meanwhile (`OthersCpu`).
+(the graph it needs next is still being compiled). `Engine.idle_step` runs one unit while no reply holds the model,
+so a message waits for one unit at most, and a reply never shares the model thread with a measurement. Measurements
+whose results are kept across starts are taken with the compiling children stopped, repeated until two agree, and
+never saved if another process used the CPU meanwhile (`OthersCpu`).
 """
 
 from __future__ import annotations

@@ -1,12 +1,11 @@
-"""Compiling the rounds in a child process, so that no reply shares the cores with the compiler.
+"""Compiling the rounds in child processes, so that no reply shares the cores with the compiler.
 
-The app serves eagerly from the start. A child process (`python -m app.precompile SPEC`) loads the same model and
-compiles the graphs the spec names, which fills inductor's on-disk cache; the app then loads them from that cache
-on its model thread while no reply runs (`app/idle_work.py`). Two children share the graphs (one core
-each). They run at the lowest CPU priority, each in a process group of its own, and `ChildCompile.pause` stops the
-whole groups (the compiler's worker processes too) while the model thread works: a reply decodes as on an idle
-machine, and the compile goes on in the idle time between replies. A child reports on stdout, one JSON object a
-line:
+The app serves eagerly from the start. Two child processes (`python -m app.precompile SPEC SHARE`) load the same
+model and compile the graphs of their share of the spec (one core each), which fills inductor's on-disk cache; the
+app loads each graph from that cache on its model thread as soon as it is compiled (`app/idle_work.py`). The
+children run at the lowest CPU priority, each in a process group of its own, and `ChildCompile.pause` stops the
+whole groups (the compiler's own processes too) while a reply or a measurement runs: a reply decodes as on an idle
+machine, and the compile goes on between replies. A child reports on stdout, one JSON object a line:
   {"event": "loaded", "seconds": s}
   {"event": "compiled", "graph": "8-row base forward", "done": i, "total": n of its share, "seconds": s}
   {"event": "done"}  or  {"event": "failed", "error": "..."}

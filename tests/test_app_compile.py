@@ -129,8 +129,11 @@ def nothing_compiled(monkeypatch):
     """Graphs that are never built: loading them does nothing (the tests around them time no graph)."""
     from eagle.model import compiled, compiled_draft
 
-    monkeypatch.setattr(compiled.CompiledDecode, "warm", lambda self, log=None, context=64, rows=None: {r: 0.0 for r in rows})
-    monkeypatch.setattr(compiled_draft.CompiledDraft, "warm", lambda self, log=None, context=64, rows=None: {r: 0.0 for r in rows})
+    def warm(self, log=None, context=64, rows=None):
+        return {r: 0.0 for r in rows}
+
+    monkeypatch.setattr(compiled.CompiledDecode, "warm", warm)
+    monkeypatch.setattr(compiled_draft.CompiledDraft, "warm", warm)
 
 
 def test_a_verdict_measured_under_load_is_not_saved(own_cache, nothing_compiled, tmp_path, monkeypatch):
