@@ -183,3 +183,12 @@ def test_the_reference_projects_vanilla_onto_the_replys_own_length_and_prefill()
     ref = VanillaReference("eager", step_s=0.02, source="test")
     assert ref.seconds(first_round_s=0.5, new_tokens=101) == pytest.approx(0.5 + 100 * 0.02)
     assert idle_work.stable([1.0, 1.05]) and not idle_work.stable([1.0, 1.3]) and not idle_work.stable([1.0])
+
+
+def test_a_vanilla_reference_timed_under_load_is_timed_again(own_cache, tmp_path, monkeypatch):
+    engine = tiny_engine(str(tmp_path))
+    loads = iter([True, True, False, False])  # the first attempt's two prompts under load, then idle
+    monkeypatch.setattr(idle_work.OthersCpu, "busy", property(lambda self: next(loads)))
+    lines = list(vanilla_reference(engine, "eager"))
+    assert len(lines) == 4 and engine.reference("eager") is not None  # two prompts, twice
+    assert "another process" not in engine.reference("eager").source
