@@ -160,13 +160,13 @@ def start_compiled_rounds(engine, loaded, mode: str, log=lambda line: print(f"[c
     spec = compile_spec(loaded)
     verdict = saved_verdict(spec.key())
     if mode == "auto" and verdict is not None and not verdict["compiled_pays"]:
-        engine.set_status("eager: compiled forwards measured slower here before (--compile on to use them anyway)")
+        engine.status = "eager: compiled forwards measured slower here before (--compile on to use them anyway)"
         return
     if not compiled_before(spec):
         log(f"compiling {len(spec.graphs())} graphs in child processes, stopped whenever the model decodes or measures")
         engine.child = ChildCompile(spec)
     engine.add_job(compiled_rounds(engine, engine.child, spec, mode, log))
-    engine.set_status("compiled rounds being prepared")
+    engine.status = "compiled rounds being prepared"
 
 
 def compile_spec(loaded):

@@ -11,8 +11,8 @@ run OpenMP work, libgomp's thread teams outnumber the cores and stop spin-waitin
 pays a wake-up (BENCHMARKS.md, "The app's first and second start").
 
 While no reply runs, the same thread does the idle work (`app/idle_work.py`: vanilla references, compiled rounds
-loaded and measured), one short unit at a time, and a child process compiles the rounds (`app/precompile.py`); it
-is stopped whenever the model thread works, so replies and measurements never share the cores with it.
+loaded and measured), one unit at a time, and child processes compile the rounds (`app/precompile.py`); they are
+stopped whenever a reply or a measurement runs, so neither shares the cores with them.
 """
 
 from __future__ import annotations
@@ -286,9 +286,6 @@ class Engine:
         while self.jobs and time.monotonic() < end:
             if not self.idle_step():
                 time.sleep(0.2)
-
-    def set_status(self, line: str) -> None:
-        self.status = line
 
     def compiled_in_use(self) -> None:
         """The compiled rounds are now the path (called by the idle work that put them in use)."""

@@ -138,13 +138,13 @@ def rounds_in_use(model, base_graphs, head, draft_graphs):
         model.base.compiled, model.ea_layer, model.compiled_draft, model.tree, model.tree_choice = saved
 
 
-def compiled_vs_eager(model, base_graphs, rows) -> tuple[dict, float]:
-    """ms per forward over each of `rows`, compiled and eager; (result, other processes' CPU meanwhile in cores)."""
-    with OthersCpu() as load:
-        ms = {"compiled": {}, "eager": {}}
-        for way in ("compiled", "eager"):
-            with rounds_in_use(model, base_graphs if way == "compiled" else None, None, None):
-                ms[way] = {n: 1e3 * s for n, s in model.base.pass_seconds(list(rows)).items()}
+def compiled_vs_eager(model, base_graphs) -> tuple[dict, float]:
+    """ms per forward over each bucket's rows, compiled and eager (tuner.compiled_vs_eager); (result, other
+    processes' CPU meanwhile in cores)."""
+    from eagle.model.tuner import compiled_vs_eager as measure
+
+    with OthersCpu() as load, rounds_in_use(model, base_graphs, None, None):
+        ms = measure(model.base)["ms"]
     return ms, load.cores
 
 
@@ -191,7 +191,7 @@ def compiled_rounds(engine, child, spec, mode: str, log) -> Iterator[str | Loadi
             yield "back to eager forwards"
             model.base.decompile()
         log(f"compiling stopped ({child.error}); still decoding eagerly")
-        engine.set_status(f"compiling failed ({child.error}): decoding eagerly")
+        engine.status = f"compiling failed ({child.error}): decoding eagerly"
         return
     if child is not None:
         log(f"compiled {len(child.compiled)} graphs in {time.monotonic() - child.started:.0f} s")
@@ -199,7 +199,7 @@ def compiled_rounds(engine, child, spec, mode: str, log) -> Iterator[str | Loadi
     verdict, tries, ratio = saved_verdict(spec.key()), [], None
     for attempt in range(MAX_TRIES if verdict is None else 0):
         yield f"timing compiled against eager forwards (try {attempt + 1})"
-        ms, others = compiled_vs_eager(model, base_graphs, spec.base_buckets)
+        ms, others = compiled_vs_eager(model, base_graphs)
         ratio = sum(ms["compiled"].values()) / sum(ms["eager"].values())
         if others > BUSY_SHARE:
             log(f"compiled vs eager: another process used the CPU meanwhile ({others:.2f} cores); timing again")
@@ -218,7 +218,7 @@ def compiled_rounds(engine, child, spec, mode: str, log) -> Iterator[str | Loadi
     if not verdict["compiled_pays"] and mode == "auto":
         model.base.decompile()
         log("compiled forwards measured slower than eager here: decoding eagerly")
-        engine.set_status("compiled forwards measured slower than eager here: decoding eagerly")
+        engine.status = "compiled forwards measured slower than eager here: decoding eagerly"
         return
 
     tree = None

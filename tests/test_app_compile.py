@@ -140,7 +140,7 @@ def test_a_verdict_measured_under_load_is_not_saved(own_cache, nothing_compiled,
     engine = tiny_engine(str(tmp_path))
     spec = spec_of(engine, str(tmp_path))
     slower = {"compiled": {16: 2.0}, "eager": {16: 1.0}}  # and always under load
-    monkeypatch.setattr(idle_work, "compiled_vs_eager", lambda model, graphs, rows: (slower, 1.0))
+    monkeypatch.setattr(idle_work, "compiled_vs_eager", lambda model, graphs: (slower, 1.0))
     lines = []
     engine.add_job(compiled_rounds(engine, None, spec, "auto", lines.append))  # None: compiled before
     engine.run_idle_work(timeout=600)
@@ -169,7 +169,7 @@ def test_auto_keeps_eager_where_compiled_measured_slower(own_cache, nothing_comp
     engine = tiny_engine(str(tmp_path))
     spec = spec_of(engine, str(tmp_path))
     slower = {"compiled": {16: 2.0}, "eager": {16: 1.0}}
-    monkeypatch.setattr(idle_work, "compiled_vs_eager", lambda model, graphs, rows: (slower, 0.0))
+    monkeypatch.setattr(idle_work, "compiled_vs_eager", lambda model, graphs: (slower, 0.0))
     lines = []
     engine.add_job(compiled_rounds(engine, None, spec, "auto", lines.append))
     engine.run_idle_work(timeout=600)

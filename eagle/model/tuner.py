@@ -288,7 +288,7 @@ def compile_rounds(model, mode: str, log, swap=None) -> bool | None:
             model.ea_layer, model.compiled_draft = _faster_draft(model, drafts, shape, draft_path, log)
             model.draft_options = drafts
         if saved is None:
-            saved = _compiled_vs_eager(base)
+            saved = compiled_vs_eager(base)
             _save(path, saved)
             rows, ms = list(saved["ms"]["compiled"]), saved["ms"]
             log("compiled vs eager, ms per forward over " + "/".join(map(str, rows)) + " rows: "
@@ -346,7 +346,7 @@ def _faster_draft(model, drafts: list[tuple], shape: tuple[int, int], path, log)
     return drafts[names.index(min(names, key=seconds.get))]
 
 
-def _compiled_vs_eager(base) -> dict:
+def compiled_vs_eager(base) -> dict:
     """ms per forward over each bucket's rows with the compiled graphs in use and without them."""
     rows = list(base.compiled.buckets)
     ms = {"compiled": {n: 1e3 * t for n, t in base.pass_seconds(rows).items()}}
