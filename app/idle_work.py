@@ -167,6 +167,8 @@ def compiled_rounds(engine, child, spec, mode: str, log) -> Iterator[str | Loadi
     tune the tree and time vanilla decoding with them, and put them in use."""
     import torch
 
+    from eagle.model import runners
+
     from .precompile import graph_name, load_compiled_head
 
     model = engine.model
@@ -178,7 +180,7 @@ def compiled_rounds(engine, child, spec, mode: str, log) -> Iterator[str | Loadi
             break
         yield Loading(f"loading the compiled graphs: {i + 1} of {len(graphs)} ({rows}-row {kind})")
         if base_graphs is None:
-            base_graphs = model.base.compile(spec.base_buckets)
+            base_graphs = runners.decode_graphs(model.base, spec.base_buckets)
             head = load_compiled_head(model.base_model, spec.head_path, getattr(torch, spec.draft_dtype))
             draft_graphs = model.compile_draft(spec.draft_buckets, head=head)
         seconds = (base_graphs if kind == "base" else draft_graphs).warm(rows=[rows])[rows]
@@ -239,3 +241,40 @@ def compiled_rounds(engine, child, spec, mode: str, log) -> Iterator[str | Loadi
         model.tree, model.tree_choice = tree
     engine.compiled_in_use()
     log("compiled rounds in use")
+    yield from two_step_rounds(engine, spec, log)
+
+
+def two_step_rounds(engine, spec, log) -> Iterator[str | Loading | Wait]:
+    """With compiled forwards in use: the greedy round's draft and verify steps, one graph each for the tree in use
+    (round_graphs.py), compiled by a child (the same low priority, stopped while the model works), loaded a graph a
+    unit and put in use. If they fail, rounds go on with the forwards' graphs, said in the log."""
+    from dataclasses import replace
+
+    from .precompile import ChildCompile, compiled_before, graph_name, round_graphs
+
+    model, tree = engine.model, engine.model.tree
+    if tree.choices or model.base.compiled is None or hasattr(model.base.compiled, "lease"):
+        return
+    spec = replace(spec, base_buckets=(), draft_buckets=(), round_tree=(tree.total_token, tree.depth, tree.top_k))
+    child = None if compiled_before(spec) else ChildCompile(spec)
+    engine.child = child
+    head = model.ea_layer
+    rounds = round_graphs(model, head, spec.round_tree)
+    try:
+        for kind, nodes in spec.graphs():
+            while child is not None and graph_name(kind, nodes) not in child.compiled and not child.finished:
+                yield Wait(child.progress())
+            if child is not None and child.error:
+                log(f"compiling the round's steps stopped ({child.error}); rounds go on with the forwards' graphs")
+                return
+            yield Loading(f"loading the compiled graphs: the round's {kind.removeprefix('round_')} step")
+            step = kind.removeprefix("round_")
+            log(f"loaded the round's {step} step in {rounds.warm(steps=(step,))[step]:.1f} s")
+        while child is not None and not child.finished:
+            yield Wait(child.progress())
+    finally:
+        engine.child = None
+    if model.ea_layer is head and model.tree == tree:
+        model.compiled_rounds[rounds.shape] = rounds
+        engine.info.update(engine.describe(model))
+        log("rounds in two compiled steps in use (draft, verify)")

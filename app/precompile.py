@@ -41,6 +41,8 @@ class CompileSpec:
     draft_buckets: tuple[int, ...]
     threads: int
     extra: dict = field(default_factory=dict)  # from_pretrained keywords of the app's load (gguf_file, ...)
+    # (total_token, depth, top_k): the greedy round's draft and verify steps for this tree (round_graphs.py)
+    round_tree: tuple[int, int, int] | None = None
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
@@ -51,11 +53,19 @@ class CompileSpec:
         plan = d["few_row_plan"]
         d["few_row_plan"] = None if plan is None else {int(k): v for k, v in plan.items()}
         d["base_buckets"], d["draft_buckets"] = tuple(d["base_buckets"]), tuple(d["draft_buckets"])
+        d["round_tree"] = None if d.get("round_tree") is None else tuple(d["round_tree"])
         return cls(**d)
 
     def graphs(self) -> list[tuple[str, int]]:
-        """("base" | "draft", rows) in the order they are compiled and loaded."""
-        return [("base", r) for r in self.base_buckets] + [("draft", r) for r in self.draft_buckets]
+        """("base" | "draft", rows), then ("round_draft" | "round_verify", tree nodes), in the order they are
+        compiled and loaded."""
+        from eagle.model.round_steps import TreeShape
+
+        rounds = []
+        if self.round_tree is not None:
+            nodes = TreeShape.of(*self.round_tree).nodes
+            rounds = [("round_verify", nodes), ("round_draft", nodes)]
+        return [("base", r) for r in self.base_buckets] + [("draft", r) for r in self.draft_buckets] + rounds
 
     def key(self) -> str:
         """The spec, torch, the compiled code and options, and this machine: a manifest under this name says the
@@ -180,6 +190,8 @@ class ChildCompile:
 
 
 def graph_name(kind: str, rows: int) -> str:
+    if kind.startswith("round_"):
+        return f"{rows}-node round's {kind.removeprefix('round_')} step"
     return f"{rows}-row {'base forward' if kind == 'base' else 'draft step'}"
 
 
@@ -224,6 +236,7 @@ def compile_graphs(spec: CompileSpec, share: list[tuple[str, int]], on_graph=lam
     """Compile the graphs of `share` (part of `spec.graphs()`) for the model `spec` names."""
     import torch
 
+    from eagle.model import runners
     from eagle.model.ea_model import EaModel
 
     torch.set_num_threads(spec.threads)
@@ -233,11 +246,25 @@ def compile_graphs(spec: CompileSpec, share: list[tuple[str, int]], on_graph=lam
                                     dtype=getattr(torch, spec.dtype), few_row_kernels=plan, **spec.extra)  # fmt: skip
     _emit(event="loaded", seconds=round(time.perf_counter() - t0, 1))
     head = load_compiled_head(model.base_model, spec.head_path, getattr(torch, spec.draft_dtype))
-    base_graphs = model.base.compile(spec.base_buckets)
+    base_graphs = runners.decode_graphs(model.base, spec.base_buckets)
     draft_graphs = model.compile_draft(spec.draft_buckets, head=head)
+    rounds = round_graphs(model, head, spec.round_tree) if spec.round_tree is not None else None
     for kind, rows in share:
-        seconds = (base_graphs if kind == "base" else draft_graphs).warm(rows=[rows])[rows]
+        if kind.startswith("round_"):
+            seconds = rounds.warm(steps=(kind.removeprefix("round_"),))[kind.removeprefix("round_")]
+        else:
+            seconds = (base_graphs if kind == "base" else draft_graphs).warm(rows=[rows])[rows]
         on_graph(kind, rows, seconds)
+
+
+def round_graphs(model, head, tree: tuple[int, int, int]):
+    """The CompiledRound of `model`'s base (its graphs' kernels set: runners.decode_graphs) and `head` for a tree
+    (total_token, depth, top_k), not yet compiled."""
+    from eagle.model import runners
+    from eagle.model.draft import HeadStep
+    from eagle.model.round_steps import TreeShape
+
+    return runners.round_graphs(model.base, HeadStep(head, model.base.lm_head), TreeShape.of(*tree))
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -4,6 +4,7 @@ idle work between replies (never under one), measured only while idle, and the r
 import json
 import os
 import time
+from dataclasses import replace
 
 import pytest
 from app_fixtures import tiny_engine
@@ -12,6 +13,9 @@ from app import idle_work
 from app.engine import EngineBusy
 from app.idle_work import VanillaReference, Wait, compiled_rounds, saved_verdict, vanilla_reference
 from app.precompile import ChildCompile, CompileSpec, compiled_before
+from eagle.chat.model_types import forwards_description
+from eagle.model.round_graphs import CompiledRound
+from eagle.model.verify import SamplingParams, TokenPicker
 
 
 @pytest.fixture
@@ -60,12 +64,19 @@ def test_children_compile_only_while_the_model_is_idle_and_the_graphs_change_no_
     assert not child.paused and got == reference
     assert all(process_state(p.pid) != "T" for p in child.processes if p.poll() is None)
 
-    engine.run_idle_work(timeout=600)
+    engine.run_idle_work(timeout=900)
     assert child.ok, child.error
     assert engine.path == "compiled" and model.compiled_draft is not None, engine.status
+    assert engine.reference("compiled").step_s > 0 and "compiled rounds in use" in lines
+    # then a child compiles the greedy round's two steps for the tree in use, and they come in
+    assert lines[-1] == "rounds in two compiled steps in use (draft, verify)", lines
+    assert isinstance(model.round_runner(model.tree, TokenPicker(SamplingParams())), CompiledRound)
+    assert "greedy rounds in two compiled steps" in forwards_description(model)
     assert tokens(engine, ids) == reference and tokens(engine, ids, eagle=False) == vanilla
-    assert engine.reference("compiled").step_s > 0 and lines[-1] == "compiled rounds in use"
     assert compiled_before(spec)  # a second start loads the graphs without compiling
+    tree = model.tree
+    assert compiled_before(replace(spec, base_buckets=(), draft_buckets=(),
+                                   round_tree=(tree.total_token, tree.depth, tree.top_k)))  # fmt: skip
     # and measures no verdict again, unless this one was taken while another process used the CPU
     busy = any("another process used the CPU" in line for line in lines)
     assert saved_verdict(spec.key()) is not None or busy, lines

@@ -10,6 +10,7 @@ from eagle.evaluation import pass_cost, profile
 from eagle.model import generate
 from eagle.model.base import BaseModel
 from eagle.model.draft import Drafter
+from eagle.model.round_graphs import EagerRound
 
 
 @pytest.fixture(scope="module")
@@ -26,18 +27,21 @@ def folder(tmp_path_factory):
     torch.set_num_threads(n)
 
 
+def profile_argv(folder, *extra):
+    return ["--base-model-path", str(folder / "base"), "--ea-model-path", str(folder / "head"), "--question-file",
+            str(folder / "q.jsonl"), "--rounds", "12", "--max-new-tokens", "8", "--total-token", "12", "--depth", "3",
+            "--top-k", "4", "--json", str(folder / "p.json"), *extra]  # fmt: skip
+
+
 @pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
 def test_profile_times_every_phase_and_restores_the_engine(folder, capsys, static):
-    originals = (BaseModel.forward, Drafter.commit, generate.accept, generate.tree_mask)
-    argv = ["--base-model-path", str(folder / "base"), "--ea-model-path", str(folder / "head"), "--question-file",
-            str(folder / "q.jsonl"), "--rounds", "12", "--max-new-tokens", "8", "--total-token", "12", "--depth", "3",
-            "--top-k", "4", "--json", str(folder / "p.json")] + (["--static"] if static else [])  # fmt: skip
-    result = profile.main(argv)
-    assert (BaseModel.forward, Drafter.commit, generate.accept, generate.tree_mask) == originals
+    originals = (BaseModel.forward, Drafter.commit, generate.accept, generate.tree_mask, EagerRound.verify)
+    result = profile.main(profile_argv(folder, "--static" if static else "--general"))
+    assert (BaseModel.forward, Drafter.commit, generate.accept, generate.tree_mask, EagerRound.verify) == originals
     assert result["rounds"] == 12 and result["prompts"] >= 2  # 8 tokens per prompt: the prompt is reused
     phases = result["phases"]
     for key, _ in profile.PHASES:
-        if key != "draft_forward" or not static:
+        if key not in ("draft_step", "verify_step") and (key != "draft_forward" or not static):
             assert phases[key]["ms_per_round"] > 0, key
     assert phases["verify"]["calls_per_round"] == 1.0 and phases["compact"]["calls_per_round"] == 1.0
     assert sum(p["ms_per_round"] for p in phases.values()) == pytest.approx(result["round_ms"])
@@ -46,6 +50,18 @@ def test_profile_times_every_phase_and_restores_the_engine(folder, capsys, stati
     out = capsys.readouterr().out
     assert "| base verify forward: decoder over the tree |" in out and "KV compaction" in out
     assert json.loads((folder / "p.json").read_text())["rounds"] == 12
+
+
+def test_profile_times_the_two_step_round_as_two_phases(folder, capsys):
+    """Greedy rounds of a dynamic tree run in two steps (round_steps.py): a draft step and a verify step a round."""
+    result = profile.main(profile_argv(folder))
+    phases = result["phases"]
+    for key in ("draft_step", "verify_step"):
+        assert phases[key]["calls_per_round"] == 1.0 and phases[key]["ms_per_round"] > 0, key
+    assert phases["verify"]["calls_per_round"] == 0 and phases["compact"]["calls_per_round"] == 0
+    assert sum(p["ms_per_round"] for p in phases.values()) == pytest.approx(result["round_ms"])
+    out = capsys.readouterr().out
+    assert "the round's verify step" in out and "KV compaction (base cache)" not in out
 
 
 def test_pass_cost_times_each_row_count_with_the_plan_and_with_each_few_row_kernel(folder, capsys):

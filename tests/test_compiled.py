@@ -5,12 +5,15 @@ import pytest
 import torch
 from tiny import random_draft, save_base, tiny_base
 
-from eagle.model import compiled, compiled_draft, tuner
-from eagle.model.base import BaseModel, additive_mask, tree_mask
+from eagle.model import compiled, compiled_draft, runners, tuner
+from eagle.model.base import BaseModel
+from eagle.model.masks import additive_mask, tree_mask
 from eagle.model.compiled import CompiledDecode, bucket_for, pad_rows
 from eagle.model.compiled_draft import CompiledDraft
 from eagle.model.ea_model import EaModel
+from eagle.model.round_graphs import CompiledRound
 from eagle.model.generate import TreeSpec
+from eagle.model.verify import SamplingParams, TokenPicker
 
 NEW = 40
 
@@ -71,21 +74,25 @@ def test_compiled_rounds_equal_hf_generate_and_compile_once_per_bucket(folder, m
     monkeypatch.setattr(compiled, "BUCKETS", (1, 8))
     monkeypatch.setattr(compiled_draft, "DRAFT_BUCKETS", (2, 4))
     draft = random_draft(base, str(path / "draft3"), eagle3=True, draft_vocab=12)
-    model = EaModel.from_pretrained(str(path / "base"), draft, dtype=torch.float32, compile="on")
+    # the greedy rounds of this tree: its draft and verify steps compiled (round_graphs.py), one graph each
+    model = EaModel.from_pretrained(str(path / "base"), draft, total_token=7, depth=3, top_k=4, dtype=torch.float32,
+                                    compile="on")  # fmt: skip
     assert isinstance(model.base.compiled, CompiledDecode) and isinstance(model.compiled_draft, CompiledDraft)
     # every bucket ran once while warming up: from now on only the guards that tell the graphs apart are checked
     assert model.base.compiled.graphs.ran == {1, 8} and model.compiled_draft.graphs.ran == {2, 4}
+    tree = TreeSpec(total_token=7, depth=3, top_k=4)
+    rounds = model.round_runner(tree, TokenPicker(SamplingParams()))
+    assert isinstance(rounds, CompiledRound) and rounds.verify_graph.ran == rounds.draft_graph.ran == {7}
     torch._dynamo.utils.counters.clear()
-    tree = TreeSpec(total_token=7, depth=3, top_k=4)  # 7 rows: the 8-row bucket, padded
     for prompt in ([3, 4, 5], [7, 2, 9, 9, 11, 4, 2, 8, 8]):
         ids = torch.tensor([prompt])
         ref = base.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=NEW,
                             min_new_tokens=NEW, eos_token_id=None, pad_token_id=0)  # fmt: skip
-        out, n, rounds = model.eagenerate(ids, max_new_tokens=NEW, stop_token_ids=[], log=True, tree=tree)
+        out, n, forwards = model.eagenerate(ids, max_new_tokens=NEW, stop_token_ids=[], log=True)
         assert out.tolist() == ref.tolist()
-        assert n / (rounds + 1) > 1.05  # drafts were accepted: the verify pass ran on the compiled graph
+        assert n / (forwards + 1) > 1.05  # drafts were accepted: the verify step ran on the compiled graph
         assert model.naivegenerate(ids, max_new_tokens=NEW, stop_token_ids=[]).tolist() == ref.tolist()
-    # warm() compiled every bucket already: the base's and the draft's
+    # warm() compiled every graph already: the base's, the draft's and the round's
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 0
 
 
@@ -101,6 +108,7 @@ def test_compile_auto_follows_the_measurement_and_failures_stay_eager(folder, mo
     assert load("auto").base.compiled is None and "not measured on this machine yet" in lines[-1]
     monkeypatch.setattr(CompiledDecode, "warm", lambda self, log=None: {})  # no real compiling below
     monkeypatch.setattr(CompiledDraft, "warm", lambda self, log=None: {})
+    monkeypatch.setattr(CompiledRound, "warm", lambda self, log=None: {})
     timings = {"compiled": 0.001, "eager": 0.002}
     monkeypatch.setattr(BaseModel, "pass_seconds",
                         lambda self, rows, *a, **k: {n: timings["compiled" if self.compiled else "eager"] for n in rows})  # fmt: skip
@@ -112,10 +120,10 @@ def test_compile_auto_follows_the_measurement_and_failures_stay_eager(folder, mo
     assert load("on").base.compiled is not None and "measured slower" in lines[-1]
     assert load("auto").base.compiled is None
 
-    def broken(self, buckets=None):
+    def broken(base, buckets=None):
         raise RuntimeError("no C++ compiler\nmore detail")
 
-    monkeypatch.setattr(BaseModel, "compile", broken)
+    monkeypatch.setattr(runners, "decode_graphs", broken)
     model = load("on")
     assert model.base.compiled is None and lines[-1] == "compiling failed (RuntimeError: no C++ compiler); decoding eagerly"
     assert tuner.compile_rounds(model, "on", lines.append) is False
@@ -170,7 +178,7 @@ def test_compiled_graphs_freeze_the_weights_and_go_to_the_disk_cache(folder, mon
     _, model = folder
     few_rows.uninstall(model)  # earlier tests installed the default plan on this model
     base = BaseModel(model, eagle3=False, few_row_plan=few_rows.uniform_plan("wxt"))
-    base.compiled = base.compile(buckets=(1,))
+    base.compiled = runners.decode_graphs(base, buckets=(1,))
     assert few_rows.plan_of(model) == (few_rows.uniform_plan("panel") if linears == "panel" else None)
     try:
         counters.clear()
@@ -209,7 +217,7 @@ def test_the_disk_cache_serves_a_graph_only_to_the_model_it_was_compiled_for(mon
             base.forward(ids[:, :5], torch.arange(5)[None], cache, last_logits_only=True)
             eager, _ = base.forward(ids[:, 5:], torch.tensor([[5]]), cache, features=False)
             counters.clear()
-            base.compiled = base.compile(buckets=(1,))
+            base.compiled = runners.decode_graphs(base, buckets=(1,))
             base.compiled.warm()
             assert counters["inductor"][f"fxgraph_cache_{cached}"] == 1, (seed, dict(counters["inductor"]))
             assert counters["inductor"]["cpp_templated_kernel_counter"] > 0  # the packed weights are in the entry

@@ -16,6 +16,7 @@ from lossless_checks import (
 from tiny import random_draft, save_base, tiny_base
 from transformers import DynamicCache
 
+from eagle.model import runners
 from eagle.model.ea_model import EaModel
 from eagle.model.generate import Budget, eagle_rounds
 from eagle.model.verify import SamplingParams, TokenPicker
@@ -25,7 +26,7 @@ BASE_BUCKETS, DRAFT_BUCKETS = (8,), (4,)
 
 def compile_now(model: EaModel) -> EaModel:
     """Build, warm and install the compiled graphs (what compile_rounds does, without timing them)."""
-    graphs = model.base.compile(BASE_BUCKETS)
+    graphs = runners.decode_graphs(model.base, BASE_BUCKETS)
     graphs.warm()
     draft = model.compile_draft(DRAFT_BUCKETS)
     draft.warm()

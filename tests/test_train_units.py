@@ -6,7 +6,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from eagle.model.base import additive_mask
+from eagle.model.masks import additive_mask
 from eagle.model.checkpoint import build_draft_head, read_checkpoint
 from eagle.model.draft_head import DraftConfig, DraftHead
 from eagle.train.export import draft_config, export_head

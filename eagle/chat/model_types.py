@@ -212,6 +212,10 @@ def forwards_description(model) -> str:
     text = f"compiled ({compiled.kind}; {'/'.join(map(str, compiled.buckets))}-row graphs)" if compiled else "eager"
     if model.compiled_draft is not None:
         text += f"; draft steps compiled in {model.ea_layer.dtype_name}"
+    shapes = [s for s, r in model.compiled_rounds.items() if r.step.head is model.ea_layer] if compiled else []
+    if shapes:
+        text += "; greedy rounds in two compiled steps (draft, verify) for trees of " + ", ".join(
+            f"{s.nodes} nodes" for s in shapes)
     plan = few_rows.plan_of(model.base_model)
     if plan:
         kernels = {}

@@ -29,6 +29,8 @@ from .models import add_model_args, device_name, exit_on_bad_options, load_from_
 from .prompts import build_prompts
 
 PHASES = [
+    ("draft_step", "the round's draft step: commit, tree levels, selection (round_steps.py)"),
+    ("verify_step", "the round's verify step: base pass, acceptance, KV compaction (round_steps.py)"),
     ("verify", "base verify forward: decoder over the tree"),
     ("verify_lm_head", "base verify forward: lm_head over all tree rows"),
     ("draft_forward", "draft tree: head forwards (one per level)"),
@@ -90,6 +92,7 @@ def instrument(clock: PhaseClock, model):
     from eagle.model.base import BaseModel
     from eagle.model.draft import Drafter, HeadStep
     from eagle.model.kv_cache import TreeKVCache
+    from eagle.model.round_graphs import CompiledRound, EagerRound
     from eagle.model.tree import DraftTree
 
     def base_forward(parent, args, kwargs):
@@ -105,7 +108,8 @@ def instrument(clock: PhaseClock, model):
         (Drafter, "static_tree", "draft_select"), (Drafter, "commit", "draft_commit"),
         (DraftTree, "__post_init__", "tree_build"), (DraftTree, "ancestor_mask", "tree_mask"),
         (generate, "tree_mask", "tree_mask"), (generate, "accept", "accept"), (TreeKVCache, "compact", "compact"),
-        (lm, "forward", lm_head),
+        (lm, "forward", lm_head), (EagerRound, "draft", "draft_step"), (EagerRound, "verify", "verify_step"),
+        (CompiledRound, "draft", "draft_step"), (CompiledRound, "verify", "verify_step"),
     ]  # fmt: skip
     saved = [(owner, attr, owner.__dict__.get(attr, _MISSING)) for owner, attr, _ in patches]
     try:
@@ -168,11 +172,16 @@ def profile(model, prompts, args) -> dict:
     t = model.tree
     dynamic = TreeSpec(t.total_token, t.depth, t.top_k)
     tree = TreeSpec(choices=tuple(map(tuple, MC_SIM_7B_63))) if args.static else dynamic
-    run_rounds(model, prompts, min(args.rounds, 8), args, True, tree)  # warm-up
-    plain = run_rounds(model, prompts, args.rounds, args, True, tree)
-    clock = PhaseClock(torch.cuda.is_available())
-    with instrument(clock, model):
-        timed = run_rounds(model, prompts, args.rounds, args, True, tree, clock)
+    if args.general:  # the round as eagle_rounds runs it, also where the two-step round would
+        model.round_runner = lambda *a: None
+    try:
+        run_rounds(model, prompts, min(args.rounds, 8), args, True, tree)  # warm-up
+        plain = run_rounds(model, prompts, args.rounds, args, True, tree)
+        clock = PhaseClock(torch.cuda.is_available())
+        with instrument(clock, model):
+            timed = run_rounds(model, prompts, args.rounds, args, True, tree, clock)
+    finally:
+        model.__dict__.pop("round_runner", None)
     vanilla = run_rounds(model, prompts, args.rounds, args, False, None) if args.vanilla else None
 
     n = timed["rounds"]
@@ -212,6 +221,8 @@ def table(result: dict) -> str:
         ("python overhead (loop, Budget, small tensors; the rest)", result["phases"]["python"])
     ]
     for label, p in rows:
+        if p["calls_per_round"] == 0:
+            continue  # a phase of the other round path
         calls = "" if p["calls_per_round"] is None else f"{p['calls_per_round']:.1f}"
         lines.append(f"| {label} | {p['ms_per_round']:.2f} | {100 * p['ms_per_round'] / total:.1f}% | {calls} |")
     lines.append(f"| **round (profiled)** | **{total:.2f}** | 100% | |")
@@ -239,6 +250,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--question-file", default=None, help="MT-bench-format jsonl (default: MT-bench)")
     g.add_argument("--max-new-tokens", type=int, default=256, help="per prompt")
     g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--general", action="store_true",
+                   help="greedy dynamic trees as eagle_rounds runs them (the forwards' graphs and eager work between "
+                   "them), not in the round's two steps (round_steps.py)")
     g.add_argument("--no-vanilla", dest="vanilla", action="store_false", help="skip timing vanilla decode steps")
     g.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     g.add_argument("--json", default=None, help="also write the numbers here")

@@ -19,34 +19,12 @@ from torch import nn
 from . import few_rows
 from .kv_cache import TreeKVCache
 from .logits import logit_transform
+from .masks import additive_mask
 from .timing import repeated_seconds
 
 
 def eagle3_feature_layers(num_layers: int) -> tuple[int, int, int]:
     return (2, num_layers // 2, num_layers - 3)
-
-
-def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """bool [q, k] (True = may attend) -> float [1, 1, q, k]: 0 where allowed, the dtype's min elsewhere.
-
-    A float mask, not a bool one: eager attention adds the mask to the scores."""
-    mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
-    mask.masked_fill_(~allowed, torch.finfo(dtype).min)
-    return mask[None, None]
-
-
-def widened(mask: torch.Tensor, width: int) -> torch.Tensor:
-    """An additive mask [1, 1, q, k] -> [1, 1, q, width]: the positions after the k-th masked out."""
-    return torch.nn.functional.pad(mask, (0, width - mask.shape[-1]), value=torch.finfo(mask.dtype).min)
-
-
-def tree_mask(prefix_len: int, ancestors: torch.Tensor, dtype: torch.dtype, device) -> torch.Tensor:
-    """Mask for n tree rows after `prefix_len` committed positions: all of the prefix, plus their ancestors
-    ([n, n] bool); built where `device` is, from ancestors already there (no host sync)."""
-    n = ancestors.shape[0]
-    allowed = torch.ones(n, prefix_len + n, dtype=torch.bool, device=device)
-    allowed[:, prefix_len:] = ancestors.to(device)
-    return additive_mask(allowed, dtype)
 
 
 class BaseModel:
@@ -72,7 +50,7 @@ class BaseModel:
         self.logit_transform = logit_transform(model.config)  # None = the lm_head's logits are the model's
         if few_row_plan is not False:  # float32 CPU layers: faster decode-sized matmuls (see few_rows.py)
             few_rows.install(model, few_row_plan or None)
-        self.compiled = None  # the CompiledDecode in use (`compile` builds one)
+        self.compiled = None  # the forwards' graphs in use (runners.decode_graphs builds them)
         self.eager_plan = None  # the few-row plan set aside while compiled
         self.check_logits()
 
@@ -131,31 +109,8 @@ class BaseModel:
             if cache is not None:
                 runner.release(cache)
 
-    def compile(self, buckets=None):
-        """Graphs of the vanilla step and verify passes, built lazily or now with their `warm()`: on CPU inductor's
-        (eagle/model/compiled.py), on CUDA CUDA graphs (cuda_graphs.py). `forward` runs them once they are set as
-        `self.compiled` (between generations: a cache is sized for the graphs in use when it is made). Returns the
-        `CompiledDecode` or `GraphedDecode`."""
-        if self.lm_head.weight.device.type == "cuda":
-            from .cuda_graphs import BUCKETS, GraphedDecode
-
-            return GraphedDecode(self, buckets or BUCKETS)
-        from .compiled import BUCKETS, CompiledDecode
-
-        # The graphs' linears: the panel kernel where it runs here (an operator inductor calls as is, on panels
-        # made once; nothing for inductor to pack or autotune, and prefill and wider trees keep it too), else plain
-        # nn.Linear layers, for inductor's own GEMMs: dynamo lifts a custom module's weights as graph inputs, which
-        # inductor cannot freeze (its GEMMs then fall back to unpacked MKL calls). Swapping a layer's plan or class
-        # under a running eager forward is harmless: every kernel computes the same product.
-        if self.eager_plan is None:
-            self.eager_plan = few_rows.plan_of(self.model)
-        panels = few_rows.uniform_plan("panel")
-        if self.eager_plan is None or few_rows.set_plan(self.model, panels) != panels:
-            few_rows.uninstall(self.model)
-        return CompiledDecode(self, buckets or BUCKETS)
-
     def decompile(self) -> None:
-        """Back to eager forwards, with the few-row plan in force before `compile`."""
+        """Back to eager forwards, with the few-row plan in force before the graphs (runners.decode_graphs)."""
         self.compiled = None
         if self.eager_plan is not None:
             if few_rows.plan_of(self.model) is None:
@@ -187,7 +142,7 @@ class BaseModel:
             return self.compiled.run(input_ids, position_ids, mask, cache, features)
 
     def decode(self, input_ids, position_ids, mask, cache, features: bool, last_logits_only: bool):
-        """The forward itself (what `compile` compiles): transformers' decoder over the new rows, the lm_head
+        """The forward itself (what the graphs compile): transformers' decoder over the new rows, the lm_head
         over the rows asked, the feature taps."""
         kwargs = {}
         if features and self.feature_layers is not None:

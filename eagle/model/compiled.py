@@ -7,30 +7,23 @@ or a new cache is allocated. A tree with fewer rows than its bucket is padded wi
 prefix and themselves; their logits, features and cache rows are dropped before anyone sees them, so padding never
 changes the output. Prefill, and trees wider than the largest bucket, run eagerly.
 
-The linears are the panel kernel (panel_kernel.py), called by the graphs as an operator on weight panels made
-once: it streams every weight once per forward whatever the rows, so on a 2-core AMD EPYC (Zen 5) a compiled pass
-over 1 / 8 / 16 rows of the default model took 14.0 / 15.9 / 19.8 ms, and trees of 8 and 16 nodes pay. The small
-operations between the matmuls (norms, rotary, residuals) fuse into a few C++/OpenMP loops per layer, and the
-graph's kernel calls are made from C++ (`cpp_wrapper`); once a bucket has run, dynamo checks only the guards
-that tell the graphs apart (`BucketGraphs.call`). The other weights are frozen into the graphs (inductor's
-`freezing`). Where the panel kernel cannot be built, the matmuls are inductor's own C++ GEMM micro-kernels
-(`max_autotune`, backend CPP), packed at compile time for the bucket's rows; they stream a 1-row step at the
-machine's bandwidth but are FLOP-bound from 8 rows (1 / 4 / 8 / 16 rows: 23 / 24 / 36 / 63 ms on a Zen 4 before the
-C++ wrapper). Where no CPP kernel applies to a shape (odd sizes, as in tiny test models) or inductor's CPP template
-fails on one (its epilogue of a biased q/k/v projection in a tiny Qwen2), that bucket's graph is compiled again
-with MKL's kernels as candidates too, then with MKL's alone (`GEMM_BACKENDS`): not first, because autotuning times
-the candidates on a weight already in cache, which picks MKL for 8-16 rows where, streaming from memory, it is
-slower. Frozen CPP GEMMs hold their own packed copy of the weights (the default model: +538 MB), as the panels do.
+The linears are the panel kernel (panel_kernel.py), called by the graphs as an operator on weight panels made once:
+every weight is streamed once per forward whatever the rows. The small operations between the matmuls fuse into C++
+loops, the graph's kernel calls are made from C++ (`cpp_wrapper`), the other weights are frozen into the graph
+(inductor's `freezing`), and once a bucket has run dynamo checks only the guards that tell the graphs apart
+(`BucketGraphs.call`). Where the panel kernel cannot be built, the matmuls are inductor's own C++ GEMM micro-kernels
+(`max_autotune`, backend CPP), packed at compile time for the bucket's rows; where no CPP kernel applies to a shape
+(odd sizes, as in tiny test models) or its template fails on one, that bucket's graph is compiled again with MKL's
+kernels as candidates too, then with MKL's alone (`GEMM_BACKENDS`). Frozen CPP GEMMs hold their own packed copy of
+the weights, as the panels do.
 
 Compiled artefacts are cached on disk under `cache_dir()/inductor` (TORCHINDUCTOR_CACHE_DIR if set): inductor's
 graph cache keeps each bucket's lowered graph, C++ library and frozen weights, so a later start skips lowering,
-autotuning and the C++ build and only traces again (dynamo and AOT). That needs `freeze_without_mkl_packing` (MKL's
-packed weights, which the CPP GEMMs ignore, are mkldnn tensors, and a graph holding one is never cached), and each
-entry is keyed on the weights themselves (`weights_fingerprint`): inductor's key covers only their shapes, and a
-model of the same shapes loaded another's packed weights. Compiling takes minutes on 2 cores (a bucket of the
-default model 55-90 s the first time), so the app compiles beside the eager model and swaps the graphs in when they
-are ready (`tuner.compile_rounds`, `app.engine.Engine.compile_in_background`).
-On CUDA the rounds are CUDA graphs over static buffers instead (cuda_graphs.py; `BaseModel.compile` picks).
+autotuning and the C++ build and only traces again. That needs `freeze_without_mkl_packing` (a graph holding MKL's
+packed weights, mkldnn tensors, is never cached), and each entry is keyed on the weights themselves
+(`weights_fingerprint`): inductor's key covers only their shapes. The app compiles in child processes and swaps the
+graphs in when they are ready (app/precompile.py, app/idle_work.py). On CUDA, runners.py builds CUDA graphs instead
+(cuda_graphs.py). BENCHMARKS.md has what each of these choices measured.
 """
 
 from __future__ import annotations
@@ -44,14 +37,14 @@ import time
 import torch
 
 from . import few_rows
-from .base import additive_mask
+from .masks import additive_mask
 
 BUCKETS = (1, 8, 16)
 # inductor's GEMM backends, tried in order: the first whose graphs compile is kept (see the module docstring)
 GEMM_BACKENDS = ("CPP", "CPP,ATEN", "ATEN")
 # inductor options of every graph (with the bucket's GEMM backends). cpp_wrapper: the graph's kernel calls are
-# made from C++, not from a Python function (a 1-row step of the default model 24 -> 20.5 ms on an AMD EPYC).
-# Timings measured with other options are not reused (the tuner's cache keys name them).
+# made from C++, not from a Python function. Timings measured with other options are not reused (the tuner's cache
+# keys name them).
 OPTIONS = {"freezing": True, "max_autotune": True, "cpp_wrapper": True}
 
 
@@ -79,9 +72,7 @@ def freeze_without_mkl_packing() -> None:
     inductor's graph cache skips any graph holding one ("mkldnn tensors unpickleable"): every start compiled anew.
     The passes are registered once per process, when the first graph freezes, and the packing ones only if oneDNN
     is enabled then: registering them now with it off leaves that pass out for the process (no effect if a graph
-    has already frozen). Measured on an AMD EPYC (2 threads): the 1-row step the same (21.6-24 ms against 25 ms
-    packed, one run each), the second compile of it 185 -> 55 s. GEMMs that fall back to ATen (GEMM_BACKENDS) run
-    on the unpacked weight."""
+    has already frozen). GEMMs that fall back to ATen (GEMM_BACKENDS) run on the unpacked weight."""
     from torch._inductor.fx_passes import freezing_patterns
 
     enabled = torch.backends.mkldnn.enabled
@@ -95,11 +86,9 @@ def freeze_without_mkl_packing() -> None:
 @contextlib.contextmanager
 def kv_heads_shared():
     """transformers' SDPA attention, while graphs trace, with each key/value head shared by its query heads
-    (`enable_gqa`) instead of copied to every one (`repeat_kv`, which it does in graphs with a mask): a 1-row step of
-    the default model (3 key/value heads for 9) 14.4 -> 13.6 ms at 256 cached positions, 16.7 -> 15.8 at 1024, the
-    same logits bit for bit (AMD EPYC Zen 5, 2 threads). Its switch is the variable TRANSFORMERS_SDPA_FORCE_GQA,
-    read where the attention runs; an eager forward on another thread meanwhile takes the same path (the same
-    product)."""
+    (`enable_gqa`) instead of copied to every one (`repeat_kv`, which it does in graphs with a mask): the same logits
+    bit for bit, without the copies. Its switch is the variable TRANSFORMERS_SDPA_FORCE_GQA, read where the
+    attention runs; an eager forward on another thread meanwhile takes the same path (the same product)."""
     before = os.environ.get("TRANSFORMERS_SDPA_FORCE_GQA")
     os.environ["TRANSFORMERS_SDPA_FORCE_GQA"] = "1"
     try:
@@ -207,7 +196,7 @@ class BucketGraphs:
         A bucket whose first call fails to compile is compiled again with the next GEMM backends (GEMM_BACKENDS).
 
         Once a bucket's graph has run, dynamo checks only the guards that tell its graphs apart (which bucket,
-        which model), not all of them (1.4 ms a call on the default model, 7% of a step): what else the guards
+        which model), not all of them: what else the guards
         cover (dtypes, the cache's structure, the ranks of every tensor) is the same on every call by
         construction (`CompiledDecode.run`, `CompiledDraft.run`), and a call that matches no graph still
         compiles one."""

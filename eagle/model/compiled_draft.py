@@ -17,7 +17,7 @@ import time
 import torch
 
 from . import few_rows
-from .base import additive_mask
+from .masks import additive_mask
 from .compiled import BucketGraphs, fresh, pad_rows, static_rows
 
 DRAFT_BUCKETS = (1, 2, 4, 8)

@@ -27,7 +27,7 @@ import time
 
 import torch
 
-from .base import additive_mask, widened
+from .masks import additive_mask, widened
 from .compiled import bucket_for, pad_rows
 from .kv_cache import TreeKVCache
 

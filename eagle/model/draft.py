@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .base import additive_mask
+from .masks import additive_mask
 from .draft_head import DraftHead
 from .few_rows import few_row_kernels
 from .transfer import to_device

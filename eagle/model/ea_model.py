@@ -16,12 +16,14 @@ from typing import Iterator
 import torch
 from torch import nn
 
-from . import few_rows
+from . import few_rows, runners
 from .base import BaseModel
 from .checkpoint import build_draft_head, read_acceptance_profile, read_checkpoint
-from .draft import Drafter
+from .draft import Drafter, HeadStep
 from .draft_head import DraftHead
-from .generate import Budget, Round, TreeSpec, eagle_rounds, vanilla_rounds
+from .generate import Budget, Round, TreeSpec, eagle_rounds, greedy_tree_rounds, vanilla_rounds
+from .round_graphs import EagerRound
+from .round_steps import TreeShape
 from .tuner import TreeChoice, compile_rounds, faster_draft_dtype, few_row_plan, tune
 from .verify import SamplingParams, TokenPicker
 
@@ -67,6 +69,8 @@ class EaModel(nn.Module):
         self.stop_token_ids = self._default_stop_ids()
         self.tree_choice: TreeChoice | None = None  # set when the tree was tuned on this machine (total_token=-1)
         self.compiled_draft = None  # the CompiledDraft in use (`compile_draft` builds one)
+        # CompiledRound per tree shape (round_graphs.py), used while the base's graphs are in use (`compile_round`)
+        self.compiled_rounds: dict[TreeShape, object] = {}
         # (head, CompiledDraft) per dtype compiled (tuner.compile_rounds), which `tune_tree` picks among; None: the
         # head in use only
         self.draft_options: list[tuple] | None = None
@@ -130,6 +134,8 @@ class EaModel(nn.Module):
                 model.tune_tree()
             else:
                 model.tree = TreeSpec(model.pick_total_token(), depth, top_k, model.tree.choices)
+        if compile != "off" and model.base.compiled is not None and not hasattr(model.base.compiled, "lease"):
+            model.try_compile_round(log or (lambda line: None))
         return model.eval()
 
     def tune_tree(self, log=None) -> None:
@@ -139,20 +145,48 @@ class EaModel(nn.Module):
         self.tree = TreeSpec(c.total_token, c.depth, c.top_k, None)
 
     def compile_draft(self, buckets=None, head=None):
-        """The draft head's steps as compiled graphs (eagle/model/compiled_draft.py; on CUDA, CUDA graphs:
-        cuda_graphs.py), compiled lazily or now with their `warm()`; drafting runs them once they are set as
-        `self.compiled_draft` (with `head` as `self.ea_layer`). The head's dtype and weights are frozen into the
-        graphs: cast it first. head: default `self.ea_layer`. Returns the `CompiledDraft` or `GraphedDraft`."""
-        from .draft import HeadStep
+        """The draft head's steps as compiled graphs (runners.draft_graphs), compiled lazily or now with their
+        `warm()`; drafting runs them once they are set as `self.compiled_draft` (with `head` as `self.ea_layer`).
+        The head's dtype and weights are frozen into the graphs: cast it first. head: default `self.ea_layer`."""
+        return runners.draft_graphs(HeadStep(head or self.ea_layer, self.base.lm_head), buckets)
 
-        step = HeadStep(head or self.ea_layer, self.base.lm_head)
-        if step.head.fc.weight.device.type == "cuda":
-            from .cuda_graphs import DRAFT_BUCKETS, GraphedDraft
+    def round_runner(self, tree: TreeSpec, picker: TokenPicker):
+        """The runner of greedy dynamic-tree rounds in two steps (round_graphs.py): eager while the base runs
+        eagerly, the compiled one for this tree's shape while the base's graphs are in use (`compile_round`). None
+        where `eagle_rounds` runs the round instead: sampling, static trees, CUDA graphs (their own caches), and a
+        tree shape whose steps are not compiled (the forwards' graphs serve it)."""
+        if not picker.params.greedy or tree.choices or hasattr(self.base.compiled, "lease"):
+            return None
+        shape = TreeShape.of(tree.total_token, tree.depth, tree.top_k)
+        if self.base.compiled is None:
+            return EagerRound(self.base, HeadStep(self.ea_layer, self.base.lm_head), shape)
+        compiled = self.compiled_rounds.get(shape)
+        return compiled if compiled is not None and compiled.step.head is self.ea_layer else None
 
-            return GraphedDraft(step, buckets or DRAFT_BUCKETS)
-        from .compiled_draft import DRAFT_BUCKETS, CompiledDraft
+    def compile_round(self, tree: TreeSpec | None = None, log=None):
+        """The greedy round's draft and verify steps as one compiled graph each for `tree`'s shape (default: the
+        tree in use), with the head in use, compiled now; used while the base's graphs are (`self.base.compiled`).
+        CPU only (inductor). Returns the CompiledRound."""
+        tree = tree or self.tree
+        shape = TreeShape.of(tree.total_token, tree.depth, tree.top_k)
+        runner = runners.round_graphs(self.base, HeadStep(self.ea_layer, self.base.lm_head), shape)
+        runner.warm(log)
+        self.compiled_rounds[shape] = runner
+        return runner
 
-        return CompiledDraft(step, buckets or DRAFT_BUCKETS)
+    def try_compile_round(self, log) -> bool:
+        """`compile_round` for the tree in use, or, if compiling fails, one line in `log` and the rounds as before
+        (the base's graphs and the draft's steps). Returns whether the round is compiled."""
+        if self.tree.choices:
+            return False
+        try:
+            self.compile_round(log=log)
+        except Exception as e:  # noqa: BLE001 - any compiler failure means: the rounds as before, said once
+            first = str(e).splitlines()[0] if str(e) else ""
+            log(f"compiling the round's two steps failed ({type(e).__name__}: {first}); drafting and verifying "
+                "with the forwards' graphs")  # fmt: skip
+            return False
+        return True
 
     def get_tokenizer(self):
         return self.tokenizer
@@ -203,6 +237,13 @@ class EaModel(nn.Module):
         with self.base.leased_cache(input_ids.shape[1] + budget.limit + tree.max_nodes + 1) as cache:
             if not eagle:
                 yield from vanilla_rounds(self.base, input_ids, picker, budget, cache)
+                return
+            runner = self.round_runner(tree, picker)
+            if runner is not None:
+                shape = runner.shape
+                draft_cache = self.ea_layer.new_cache(
+                    input_ids.shape[1] + budget.limit + shape.commit_rows + shape.draft_entries + 1)
+                yield from greedy_tree_rounds(self.base, runner, input_ids, budget, cache, draft_cache)
                 return
             capacity = input_ids.shape[1] + budget.limit + tree.max_draft_entries + 1
             with Drafter(self.ea_layer, self.base.lm_head, capacity, self.compiled_draft) as drafter:

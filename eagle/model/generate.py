@@ -13,8 +13,10 @@ from typing import Iterator
 
 import torch
 
-from .base import BaseModel, tree_mask
+from .base import BaseModel
+from .masks import tree_mask
 from .draft import Drafter
+from .round_steps import TreeShape
 from .transfer import to_device
 from .tree import DraftTree
 from .verify import TokenPicker, accept
@@ -146,3 +148,38 @@ def eagle_rounds(
         index = to_device(path, features.device)
         drafter.commit(features.index_select(0, index), new_tokens)
         committed += len(path)
+
+
+def greedy_tree_rounds(
+    base: BaseModel, runner, input_ids: torch.Tensor, budget: Budget, cache, draft_cache
+) -> Iterator[Round]:  # fmt: skip
+    """Greedy EAGLE-2 rounds, each two calls of `runner` (round_graphs.py: `draft`, then `verify`) and one host read;
+    the same tokens as `eagle_rounds` with a greedy picker. draft_cache: the head's, with room for the prompt, the
+    budget, one commit and one tree (`TreeShape`)."""
+    shape: TreeShape = runner.shape
+    t0 = time.perf_counter()
+    logits, features = _prefill(base, input_ids, cache, features=True)  # [1, V], [P, F]
+    root = logits[-1].argmax()  # [] the first token
+    tokens, stop = budget.take([int(root)])
+    yield Round(tokens, 0, time.perf_counter() - t0, stop)
+    if stop:
+        return
+    t0 = time.perf_counter()
+    prompt = input_ids.shape[1]
+    ids = torch.cat([input_ids[0, 1:].to(root.device), root.reshape(1)])  # [P] the token after each position
+    committed, start, n = prompt, 0, prompt  # base cache rows; draft cache rows; rows the next commit brings
+    length = torch.tensor(prompt, device=root.device)  # [] n on the device
+    while True:
+        tree = runner.draft(draft_cache, start, features, ids, length, root)
+        draft_cache.length = start = start + n
+        verdict = runner.verify(cache, committed, tree)
+        packet = verdict.packet.tolist()  # the round's one host read
+        n = packet[0]  # the path's nodes, root included: its rows stay in the base cache
+        cache.crop_to(committed + n)
+        tokens, stop = budget.take(packet[1:n] + packet[-1:])
+        yield Round(tokens, min(n - 1, len(tokens)), time.perf_counter() - t0, stop)
+        if stop:
+            return
+        t0 = time.perf_counter()
+        committed += n
+        features, ids, length, root = verdict.features, verdict.commit_ids, verdict.length, verdict.root

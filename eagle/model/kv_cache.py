@@ -8,7 +8,7 @@ the accepted tree rows into the contiguous prefix and rejected rows are simply o
 For CUDA graphs (cuda_graphs.py) a cache must keep its addresses and every captured pass its shapes: a
 `TreeKVCache(..., static=True)` is owned by the graphs' runner, and while `write_positions` is set (a device tensor
 [q], the runner's static buffer) each layer writes its rows there and returns the whole buffers, the mask spanning
-the capacity (`base.widened`); the runner keeps the length. Otherwise it behaves as any TreeKVCache (eager passes).
+the capacity (`masks.widened`); the runner keeps the length. Otherwise it behaves as any TreeKVCache (eager passes).
 """
 
 from __future__ import annotations

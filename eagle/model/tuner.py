@@ -250,13 +250,11 @@ def compile_rounds(model, mode: str, log, swap=None) -> bool | None:
     measured it (a load is not made to wait minutes by default); with one (the app, serving eagerly meanwhile), it
     compiles to measure. Failures stay eager with one line in `log`. Returns whether the base's forwards are
     compiled in the end, or what `swap` returns."""
-    base = model.base
-    cuda = base.lm_head.weight.device.type == "cuda"
-    if cuda:
-        from .cuda_graphs import BUCKETS
-    else:
-        from .compiled import BUCKETS
+    from . import runners
 
+    base = model.base
+    cuda = runners.on_cuda(base.lm_head)
+    BUCKETS = runners.base_buckets(cuda)  # noqa: N806
     # keyed on the eager model, as it is before compiling, and on how it compiles (a change re-measures)
     how = hashlib.sha256(f"{compiled_options()}{BUCKETS}".encode()).hexdigest()[:8]
     path = _cache_path(model, f"-compiled-{how}")
@@ -270,7 +268,7 @@ def compile_rounds(model, mode: str, log, swap=None) -> bool | None:
     how_built = "CUDA graphs" if cuda else "inductor"
     log(f"compiling the base's 1-row step and verify passes, then the draft steps ({how_built})")
     try:
-        graphs = base.compile()
+        graphs = runners.decode_graphs(base)
         graphs.warm(log)
     except Exception as e:  # noqa: BLE001 - any compiler failure means: stay eager, say why
         base.decompile()
@@ -309,8 +307,7 @@ def compile_rounds(model, mode: str, log, swap=None) -> bool | None:
 def _compiled_drafts(model, log) -> list[tuple]:
     """(head, its CompiledDraft) in the head's dtype and, where that is not the base's (a bfloat16 head under a
     float32 base, picked by eager timing), in the base's: compiled kernels rank the two otherwise than eager ones
-    (on an AMD EPYC, 2 threads: a compiled 1-row step of the default head 2.2 ms in bfloat16, 1.35 ms in float32).
-    A dtype whose graphs fail to compile is left out, with one line in `log`."""
+    (BENCHMARKS.md). A dtype whose graphs fail to compile is left out, with one line in `log`."""
     import copy
 
     heads = [model.ea_layer]
@@ -331,8 +328,7 @@ def _compiled_drafts(model, log) -> list[tuple]:
 
 def _faster_draft(model, drafts: list[tuple], shape: tuple[int, int], path, log) -> tuple:
     """The (head, CompiledDraft) whose draft phase for a tree of `shape` (depth, top_k) is faster here, timed once
-    (cached at path). The tree matters: on an AMD EPYC (2 threads) float32 drafted a depth-2, width-1 tree in
-    7.8 ms and bfloat16 in 9.9, while at depth 3, width 4 bfloat16 was the faster (9.8 vs 12.0 ms)."""
+    (cached at path). The tree matters: which dtype drafts faster changes with its depth and width."""
     if len(drafts) == 1:
         return drafts[0]
     names = [head.dtype_name for head, _ in drafts]

@@ -1,0 +1,102 @@
+"""Runners of a greedy EAGLE-2 round's two steps (round_steps.py), one interface:
+
+    runner.draft(cache, start, features, ids, n, root) -> DeviceTree
+    runner.verify(cache, committed, tree) -> Verdict   (the accepted path's KV rows kept: round_steps.compact)
+
+`EagerRound` calls the step functions; `CompiledRound` runs each as one inductor graph per tree shape, with the
+machinery of the base's graphs (compiled.py: weights frozen, the panel kernel for float32 linears, the context
+length symbolic), and calls the step functions eagerly where a graph does not apply: a prompt's commit (its rows are
+not the shape's) and contexts of 0 or 1 rows (dynamo would specialise those ints into graphs of their own).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from .compiled import BucketGraphs, static_rows
+from .draft import HeadStep
+from .few_rows import few_row_kernels
+from .round_steps import DeviceTree, TreeShape, Verdict, compact, draft_step, verify_step
+
+
+class EagerRound:
+    kind = "eager"
+
+    def __init__(self, base, step: HeadStep, shape: TreeShape):
+        self.base, self.step, self.shape = base, step, shape
+
+    def draft(self, cache, start: int, features, ids, n, root) -> DeviceTree:
+        with few_row_kernels():  # float32 CPU linears: the plan's kernel per row count (few_rows.py)
+            return draft_step(self.step, cache, start, features, ids, n, root, self.shape)
+
+    def verify(self, cache, committed: int, tree: DeviceTree) -> Verdict:
+        """The verify step, then the accepted path's KV rows kept (`compact`)."""
+        with few_row_kernels():
+            verdict = verify_step(self.base, cache, committed, tree, self.shape)
+        compact(cache, committed, verdict.path)
+        return verdict
+
+
+class CompiledRound(EagerRound):
+    """The draft step and the verify step, each one graph for this tree shape (compiled on first use or `warm`)."""
+
+    kind = "inductor"
+
+    def __init__(self, base, step: HeadStep, shape: TreeShape):
+        super().__init__(base, step, shape)
+
+        def draft(cache, start, features, ids, n, root):
+            return draft_step(step, cache, start, features, ids, n, root, shape)
+
+        def verify(cache, committed, tokens, parents, depth, ancestors):
+            return verify_step(base, cache, committed, DeviceTree(tokens, parents, depth, ancestors), shape)
+
+        self.draft_graph = BucketGraphs(draft, (shape.nodes,), (step.head, step.base_lm_head), "compiled draft steps")
+        self.verify_graph = BucketGraphs(verify, (shape.nodes,), (base.model,), "compiled verify steps")
+
+    def draft(self, cache, start: int, features, ids, n, root) -> DeviceTree:
+        if start < 2 or ids.shape[0] != self.shape.commit_rows:
+            return super().draft(cache, start, features, ids, n, root)
+        static_rows((features, 0), (features, 1), (ids, 0))
+        return DeviceTree(*self.draft_graph.call(self.shape.nodes, (cache, start, features, ids, n, root)))
+
+    def verify(self, cache, committed: int, tree: DeviceTree) -> Verdict:
+        if committed < 2:
+            return super().verify(cache, committed, tree)
+        static_rows((tree.tokens, 0), (tree.parents, 0), (tree.depth, 0), (tree.ancestors, 0), (tree.ancestors, 1))
+        out = self.verify_graph.call(self.shape.nodes, (cache, committed, *tree), undo=lambda: cache.crop_to(committed))
+        verdict = Verdict(*out)
+        compact(cache, committed, verdict.path)
+        return verdict
+
+    def warm(self, log=None, context: int = 64, steps=("draft", "verify")) -> dict[str, float]:
+        """Compile the graphs of `steps` now (a step left out runs eagerly): a round over dummy tokens after
+        `context` cached positions. Returns seconds per step."""
+        base, head, shape = self.base, self.step.head, self.shape
+        seconds = {}
+        with torch.inference_mode():  # the caches too: tensors made outside it have other dispatch keys (a guard)
+            cache = base.new_cache(context + shape.nodes + 1)
+            draft_cache = head.new_cache(context + shape.commit_rows + shape.draft_entries + 1)
+            ids = torch.zeros(1, context, dtype=torch.long)
+            # eager, with features: transformers installs its hidden-state hooks on first use (a graph break if
+            # that happened inside the graph)
+            base.forward(ids, torch.arange(context)[None], cache, features=True, last_logits_only=True)
+            draft_cache.length = context
+            width = base.hidden_size * len(base.feature_layers) if base.feature_layers else base.hidden_size
+            features = torch.zeros(shape.commit_rows, width, dtype=base.dtype)
+            commit = torch.zeros(shape.commit_rows, dtype=torch.long)
+            draft = self.draft if "draft" in steps else super().draft
+            t0 = time.perf_counter()
+            tree = draft(draft_cache, context, features, commit, torch.tensor(2), torch.tensor(0))
+            seconds["draft"] = time.perf_counter() - t0
+            if "verify" in steps:
+                t0 = time.perf_counter()
+                self.verify(cache, context, tree)
+                seconds["verify"] = time.perf_counter() - t0
+        if log:
+            log(f"compiled the round's {' and '.join(steps)} step{'s' if len(steps) > 1 else ''} in "
+                + " + ".join(f"{seconds[s]:.1f}" for s in steps) + f" s (tree of {shape.nodes} nodes, "
+                f"depth {shape.max_depth}, width {shape.top_k})")  # fmt: skip
+        return seconds

@@ -1,0 +1,188 @@
+"""A greedy EAGLE-2 round as two functions of tensors, each one graph when compiled (round_graphs.py):
+
+    draft_step:  commit the accepted path to the draft cache, grow the tree level by level, select its nodes
+    verify_step: the base pass over the tree, greedy acceptance, the next commit's inputs (then `compact`: the
+                 accepted path's KV rows kept)
+
+Nothing inside either reads the device from the host: the accepted path, its length and the next root stay tensors
+and feed the next round's `draft_step` directly. The host reads one small tensor a round (`Verdict.packet`).
+Shapes are static for a tree shape (top_k, depth, total_token); the context length is the only symbolic size.
+Run eagerly, these functions are the reference the compiled graphs are tested against.
+
+Shapes: N = tree nodes with the root, D = the deepest node's depth, C = commit rows (D + 1: the longest accepted
+path with the root; a prompt's commit is its length), F = base feature width, H = head width, Vd = draft vocab.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+from .masks import additive_mask, tree_mask
+from .tree import ancestors_on_device
+
+
+@dataclass(frozen=True)
+class TreeShape:
+    """The static shape of an EAGLE-2 dynamic tree: `levels` head expansions of `top_k` nodes each after the root's
+    children, `nodes` kept (with the root), the deepest at depth `levels + 1`."""
+
+    top_k: int
+    levels: int
+    nodes: int
+
+    @classmethod
+    def of(cls, total_token: int, depth: int, top_k: int) -> "TreeShape":
+        levels = min(depth, total_token - 2)  # expansion `level` drafts nodes of depth level + 1
+        pool = top_k + levels * top_k * top_k
+        return cls(top_k, levels, min(total_token - 1, pool) + 1)
+
+    @property
+    def max_depth(self) -> int:  # D
+        return self.levels + 1
+
+    @property
+    def commit_rows(self) -> int:  # C: an accepted path of D drafted tokens plus the root
+        return self.max_depth + 1
+
+    @property
+    def draft_entries(self) -> int:  # draft-cache rows a tree writes after the commit
+        return self.levels * self.top_k
+
+
+class DeviceTree(NamedTuple):
+    tokens: torch.Tensor  # [N] long; tokens[0] is the root
+    parents: torch.Tensor  # [N] long; parents[0] == -1, parents[i] < i
+    depth: torch.Tensor  # [N] long; root 0
+    ancestors: torch.Tensor  # [N, N] bool: row i = i and its ancestors
+
+
+class Verdict(NamedTuple):
+    packet: torch.Tensor  # [D + 2] long: path length L (root included), the L - 1 accepted tokens, pads, next root
+    path: torch.Tensor  # [D + 1] long: the path's node at each depth (root first; 0 past its end)
+    features: torch.Tensor  # [C, F] base features of the path's nodes (rows >= L: padding)
+    commit_ids: torch.Tensor  # [C] the token after each path node: accepted tokens then the next root (pads after)
+    length: torch.Tensor  # [] long, L
+    root: torch.Tensor  # [] long, the base's own next token
+
+
+# -------------------------------------------------------------------------------------------------------------
+def draft_step(step, cache, start: int, features, ids, n, root, shape: TreeShape) -> DeviceTree:
+    """Commit n rows at draft position `start`, then draft a tree under `root`.
+
+    step: draft.HeadStep; cache: the head's DraftKVCache with `start` committed rows; features [C, F or H] and ids
+    [C] the commit (rows >= n are padding, ignored); n, root [] long. Padding rows are written after the real ones
+    and no real row attends to them; tree entries go after all C rows and are overwritten by the next commit, so the
+    caller sets `cache.length = start + n` afterwards."""
+    head = step.head
+    device = ids.device
+    C = ids.shape[0]
+    hidden = features[None].to(head.fc.weight.dtype)  # [1, C, F]
+    if head.eagle3 and hidden.shape[-1] != head.config.hidden_size:
+        hidden = head.fuse(hidden)  # [1, C, H]
+    positions = (start + torch.arange(C, device=device))[None]  # [1, C]
+    causal = torch.ones(C, start + C, dtype=torch.bool, device=device).tril(start)  # [C, start + C]
+    out = head(hidden, ids[None], positions, additive_mask(causal, hidden.dtype), cache, start)[0]  # [C, H]
+    last = out.index_select(0, (n - 1).reshape(1))  # [1, H]
+    return grow_tree(step, cache, start, C, start + n, last, step.log_probs(last), root, shape)
+
+
+def grow_tree(step, cache, start: int, gap: int, committed, last, log_probs, root, shape: TreeShape) -> DeviceTree:
+    """EAGLE-2: expand the top_k best nodes per level by cumulative log-probability (a beam of width top_k), then
+    keep the nodes - 1 best of all candidates seen.
+
+    The draft cache holds `committed` ([] long) real rows from 0, then rows up to start + gap nobody may see; tree
+    entries are written from start + gap. last [1, H], log_probs [1, Vd]: the head at the last committed row.
+
+    Ancestor closure: a child's score is its parent's plus a log-prob <= 0, so it never beats its parent; a stable
+    sort breaks ties in favour of the lower pool index, which is the parent's (the pool is level-ordered). So every
+    kept node brings its ancestors; were closure broken, a node would hang on the root: wasted, never wrong."""
+    head, k, device = step.head, shape.top_k, last.device
+    dtype = last.dtype
+    scores, ids = log_probs[0].topk(k)  # [k]
+    tokens = head.to_target_ids(ids)  # [k]
+    pool_scores, pool_tokens = [scores], [tokens]
+    pool_parents = [torch.full((k,), -1, device=device)]
+    pool_depths = [torch.full((k,), 1, device=device)]
+    frontier = torch.arange(k, device=device)  # [k] pool indices of the frontier
+    hidden = last.expand(k, -1)  # [k, H] the frontier's parents' outputs
+    ancestors = torch.eye(k, dtype=torch.bool, device=device)  # [k, written + k] over tree entries
+    seen = torch.arange(start + gap, device=device) < committed  # [start + gap] the committed rows
+    pool_size, written = k, 0
+    for level in range(1, shape.levels + 1):
+        allowed = torch.cat([seen.expand(k, -1), ancestors], dim=1)  # [k, start + gap + written + k]
+        positions = (committed + level - 1).expand(1, k)  # [1, k] all nodes of a level share a position
+        out, lp = step(hidden[None], tokens[None], positions, additive_mask(allowed, dtype), cache,
+                       start + gap + written)  # fmt: skip  # [k, H], [k, Vd]
+        written += k
+        child_lp, child_ids = lp.topk(k, dim=-1)  # [k, k]
+        cumulative = (child_lp + scores[:, None]).flatten()  # [k * k] path log-probs
+        child_tokens = head.to_target_ids(child_ids.flatten())  # [k * k]
+        pool_scores.append(cumulative)
+        pool_tokens.append(child_tokens)
+        pool_parents.append(frontier.repeat_interleave(k))
+        pool_depths.append(torch.full((k * k,), level + 1, device=device))
+        scores, best = cumulative.topk(k)  # [k]
+        rows = best // k
+        hidden, tokens, frontier = out[rows], child_tokens[best], pool_size + best
+        ancestors = torch.cat([ancestors[rows], torch.eye(k, dtype=torch.bool, device=device)], dim=1)
+        pool_size += k * k
+
+    n = shape.nodes - 1
+    order = torch.sort(torch.cat(pool_scores), descending=True, stable=True).indices[:n]
+    chosen = torch.sort(order).values  # [n] pool indices in pool (= level) order
+    node_of_pool = torch.zeros(pool_size, dtype=torch.long, device=device)
+    node_of_pool[chosen] = torch.arange(1, n + 1, device=device)
+    parent_pool = torch.cat(pool_parents)[chosen]  # [n], -1 for the root's children
+    parents = torch.where(parent_pool >= 0, node_of_pool[parent_pool.clamp(min=0)], 0)
+    parents = torch.cat([torch.full((1,), -1, device=device), parents])  # [N]
+    tokens = torch.cat([root.reshape(1), torch.cat(pool_tokens)[chosen]])  # [N]
+    depth = torch.cat([torch.zeros(1, dtype=torch.long, device=device), torch.cat(pool_depths)[chosen]])  # [N]
+    return DeviceTree(tokens, parents, depth, ancestors_on_device(parents, shape.max_depth))
+
+
+# -------------------------------------------------------------------------------------------------------------
+def verify_step(base, cache, committed: int, tree: DeviceTree, shape: TreeShape) -> Verdict:
+    """The base pass over the tree's N nodes after `committed` cached positions, and greedy acceptance.
+
+    base: base.BaseModel (its `decode`, the forward itself); cache: its TreeKVCache at length `committed`, which the
+    pass writes the N nodes' rows after; `compact` then keeps the path's."""
+    ids, depth, ancestors = tree.tokens, tree.depth, tree.ancestors
+    mask = tree_mask(committed, ancestors, base.dtype, ids.device)  # [1, 1, N, committed + N]
+    logits, features = base.decode(ids[None], (committed + depth)[None], mask, cache, True, False)  # [N, V], [N, F]
+    draws = logits.argmax(dim=-1)  # [N] the base's token after each node
+    path, length = accept_path(tree, draws, shape.max_depth)  # [D + 1], []
+    root = draws.index_select(0, path.index_select(0, (length - 1).reshape(1)))[0]  # [] the draw after the path
+    accepted = ids.index_select(0, path[1:])  # [D] the path's drafted tokens (pads past L - 1)
+    at = torch.arange(shape.commit_rows, device=ids.device)  # [C]
+    commit_ids = torch.where(at == length - 1, root, torch.cat([accepted, root.reshape(1)]))  # [C]
+    packet = torch.cat([length.reshape(1), accepted, root.reshape(1)])  # [D + 2]
+    return Verdict(packet, path, features.index_select(0, path), commit_ids, length, root)
+
+
+def compact(cache, committed: int, path: torch.Tensor) -> None:
+    """Move the accepted path's KV rows (tree nodes `path` [D + 1], written after `committed` rows) to committed ..
+    committed + D; rows past the path's length are padding, which the caller drops by setting the cache's length.
+    Kept out of the verify step's graph: a compiled graph that reads and rewrites the cache it has just written
+    copies every layer's whole buffer."""
+    keep = committed + path  # [D + 1] cache positions of the path's rows
+    for layer in cache.layers:  # index_select copies first: overlapping ranges are safe
+        layer.keys[:, :, committed : committed + keep.shape[0]] = layer.keys.index_select(2, keep)
+        layer.values[:, :, committed : committed + keep.shape[0]] = layer.values.index_select(2, keep)
+
+
+def accept_path(tree: DeviceTree, draws: torch.Tensor, max_depth: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy acceptance on the device: a node is accepted when its token is the base's draw at its parent, and it
+    is on the path when it and all its ancestors are. Siblings carry distinct tokens (the top-k of one row), so the
+    path is one chain: the same nodes as verify.accept's walk. Returns the path's node at each depth [D + 1]
+    (root first; 0 past its end) and its length [] (nodes, root included)."""
+    tokens, parents, depth, ancestors = tree
+    match = (tokens == draws[parents.clamp(min=0)]) | (parents < 0)  # [N] the root always
+    on_path = ~(ancestors & ~match[None, :]).any(dim=1)  # [N]
+    deepest = torch.where(on_path, depth, -1).argmax().reshape(1)  # [1] the path's last node
+    levels = torch.arange(max_depth + 1, device=tokens.device)  # [D + 1]
+    at_level = ancestors.index_select(0, deepest) & (depth[None, :] == levels[:, None])  # [D + 1, N]
+    path = at_level.to(torch.int32).argmax(dim=1)  # [D + 1]
+    return path, depth.index_select(0, deepest)[0] + 1

@@ -1,0 +1,53 @@
+"""The one place that picks how compiled passes run on a device: inductor graphs on a CPU (compiled.py,
+compiled_draft.py, round_graphs.py), CUDA graphs on CUDA (cuda_graphs.py). Each builder returns a runner that its
+caller puts in use (`BaseModel.compiled`, `EaModel.compiled_draft`, `EaModel.compiled_rounds`); the algorithm
+(generate.py, draft.py, round_steps.py) never imports this module.
+"""
+
+from __future__ import annotations
+
+from . import compiled, compiled_draft, cuda_graphs, few_rows
+from .round_graphs import CompiledRound
+from .round_steps import TreeShape
+
+
+def on_cuda(module) -> bool:
+    return next(module.parameters()).device.type == "cuda"
+
+
+def base_buckets(cuda: bool) -> tuple[int, ...]:
+    """The rows of the base's graphs: the vanilla step and the verify passes."""
+    return cuda_graphs.BUCKETS if cuda else compiled.BUCKETS
+
+
+def decode_graphs(base, buckets=None):
+    """Graphs of the base's vanilla step and verify passes, built lazily or now with their `warm()`; `forward` runs
+    them once set as `base.compiled` (between generations: a cache is sized for the graphs in use when it is made)."""
+    if on_cuda(base.lm_head):
+        return cuda_graphs.GraphedDecode(base, buckets or cuda_graphs.BUCKETS)
+    # The graphs' linears: the panel kernel where it runs here (an operator inductor calls as is, on panels made
+    # once), else plain nn.Linear layers, for inductor's own GEMMs: dynamo lifts a custom module's weights as graph
+    # inputs, which inductor cannot freeze. Swapping a layer's plan or class under a running eager forward is
+    # harmless: every kernel computes the same product. `base.decompile()` puts the eager plan back.
+    if base.eager_plan is None:
+        base.eager_plan = few_rows.plan_of(base.model)
+    panels = few_rows.uniform_plan("panel")
+    if base.eager_plan is None or few_rows.set_plan(base.model, panels) != panels:
+        few_rows.uninstall(base.model)
+    return compiled.CompiledDecode(base, buckets or compiled.BUCKETS)
+
+
+def draft_graphs(step, buckets=None):
+    """Graphs of the draft head's steps (`draft.HeadStep`) per bucket of rows; the head's dtype and weights are
+    frozen into them."""
+    if on_cuda(step.head):
+        return cuda_graphs.GraphedDraft(step, buckets or cuda_graphs.DRAFT_BUCKETS)
+    return compiled_draft.CompiledDraft(step, buckets or compiled_draft.DRAFT_BUCKETS)
+
+
+def round_graphs(base, step, shape: TreeShape) -> CompiledRound:
+    """A greedy round's draft and verify steps, one graph each for `shape` (CPU: inductor)."""
+    if on_cuda(base.lm_head):
+        raise ValueError("the round's two-step graphs are built for CPU (inductor); on CUDA the forwards' CUDA "
+                         "graphs run the rounds (runners.decode_graphs)")  # fmt: skip
+    return CompiledRound(base, step, shape)

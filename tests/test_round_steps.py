@@ -1,0 +1,115 @@
+"""A greedy EAGLE-2 round in two steps (eagle/model/round_steps.py, round_graphs.py): device acceptance takes the
+host walk's path, the two-step loop gives the general loop's rounds, and the compiled steps give the eager ones."""
+
+import pytest
+import torch
+from lossless_checks import PROMPTS
+from tiny import random_draft, tiny_base
+
+from eagle.model.checkpoint import read_checkpoint
+from eagle.model.draft import HeadStep
+from eagle.model.ea_model import EaModel, load_head
+from eagle.model.generate import TreeSpec
+from eagle.model.round_graphs import CompiledRound, EagerRound
+from eagle.model.round_steps import DeviceTree, TreeShape, accept_path
+from eagle.model.tree import DraftTree, ancestors_on_device
+from eagle.model.verify import SamplingParams, TokenPicker, accept
+
+TREES = [TreeSpec(8, 3, 4), TreeSpec(12, 2, 3), TreeSpec(60, 7, 10), TreeSpec(2, 3, 1)]
+
+
+@pytest.fixture(scope="module", params=[False, True], ids=["eagle12", "eagle3"])
+def model(request, tmp_path_factory):
+    base = tiny_base("llama", layers=8)
+    folder = random_draft(
+        base, str(tmp_path_factory.mktemp("d")), eagle3=request.param, draft_vocab=12 if request.param else None
+    )
+    return EaModel(base, load_head(base, *read_checkpoint(folder)), None)
+
+
+def rounds(model, tree, prompt, runner="default"):
+    """(tokens, accepted) of every round; runner None = the general loop (eagle_rounds)."""
+    if runner != "default":
+        model.round_runner = lambda *a: runner
+    try:
+        stream = model.stream(torch.tensor([prompt]), max_new_tokens=40, stop_token_ids=(), tree=tree)
+        return [(r.tokens, r.accepted) for r in stream]
+    finally:
+        model.__dict__.pop("round_runner", None)
+
+
+def random_tree(generator, n: int, vocab: int) -> DraftTree:
+    """A random tree of n nodes whose siblings carry distinct tokens, as drafted trees do."""
+    tokens, parents = [int(torch.randint(vocab, (1,), generator=generator))], [-1]
+    for i in range(1, n):
+        open_ = [q for q in range(i) if sum(parents[c] == q for c in range(1, i)) < vocab]
+        p = open_[int(torch.randint(len(open_), (1,), generator=generator))]
+        taken = {tokens[c] for c in range(1, i) if parents[c] == p}
+        free = [t for t in range(vocab) if t not in taken]
+        tokens.append(free[int(torch.randint(len(free), (1,), generator=generator))])
+        parents.append(p)
+    return DraftTree(tokens, parents)
+
+
+def test_device_acceptance_takes_the_host_walks_path():
+    g = torch.Generator().manual_seed(0)
+    greedy = TokenPicker(SamplingParams())
+    for trial in range(300):
+        host = random_tree(g, int(torch.randint(1, 12, (1,), generator=g)), vocab=3)
+        parents = torch.tensor(host.parents)
+        depth = torch.tensor(host.depth)
+        tree = DeviceTree(torch.tensor(host.tokens), parents, depth, ancestors_on_device(parents, max(host.depth)))
+        logits = torch.randn(len(host), 3, generator=g)
+        _, path, token = accept(host, logits, greedy)
+        device_path, length = accept_path(tree, logits.argmax(-1), max(host.depth))
+        assert int(length) == len(path), trial
+        assert device_path[: len(path)].tolist() == path, trial
+        assert int(logits[path[-1]].argmax()) == token
+
+
+@pytest.mark.parametrize("tree", TREES, ids=lambda t: f"{t.total_token}-{t.depth}-{t.top_k}")
+def test_greedy_rounds_in_two_steps_equal_the_general_loop(model, tree):
+    assert isinstance(model.round_runner(tree, TokenPicker(SamplingParams())), EagerRound)
+    for prompt in PROMPTS:
+        assert rounds(model, tree, prompt) == rounds(model, tree, prompt, runner=None)
+
+
+def test_tree_shape_counts_the_nodes_the_drafter_keeps():
+    assert TreeShape.of(8, 2, 2) == TreeShape(top_k=2, levels=2, nodes=8)
+    assert TreeShape.of(60, 7, 10).nodes == 60 and TreeShape.of(60, 7, 10).commit_rows == 9
+    assert TreeShape.of(6, 1, 2).nodes == 6  # 2 + 4 candidates, 5 kept, and the root
+    assert TreeShape.of(100, 1, 2).nodes == 7  # all 6 candidates
+    assert TreeShape.of(3, 5, 4).levels == 1  # depth clamped to total_token - 2
+
+
+def test_sampling_and_static_trees_run_the_general_loop(model):
+    sampled = TokenPicker(SamplingParams(temperature=0.7))
+    assert model.round_runner(TreeSpec(8, 3, 4), sampled) is None
+    assert model.round_runner(TreeSpec(choices=((0,), (1,), (0, 0))), TokenPicker(SamplingParams())) is None
+
+
+def test_compiled_round_gives_the_eager_rounds_in_one_graph_each(model, request):
+    if "eagle3" in request.node.callspec.id:
+        pytest.skip("EAGLE-3's compiled round: test_compiled.py, through from_pretrained (a compile each)")
+    tree = TreeSpec(8, 3, 4)
+    shape = TreeShape.of(8, 3, 4)
+    eager = [rounds(model, tree, p) for p in PROMPTS]
+    compiled = CompiledRound(model.base, HeadStep(model.ea_layer, model.base.lm_head), shape)
+    counters = torch._dynamo.utils.counters
+    counters.clear()
+    compiled.warm()
+    assert counters["stats"]["unique_graphs"] == 2 and not counters["graph_break"], dict(counters["graph_break"])
+    calls = {"draft": 0, "verify": 0}
+    for name in calls:
+        graphs = getattr(compiled, f"{name}_graph")
+        graph = graphs._graph(shape.nodes)
+
+        def counted(*args, _graph=graph, _name=name):
+            calls[_name] += 1
+            return _graph(*args)
+
+        graphs.graphs[shape.nodes] = counted
+    assert [rounds(model, tree, p, runner=compiled) for p in PROMPTS] == eager
+    n_rounds = sum(len(r) for r in eager)  # per prompt: the prefill's round, then one round per verify
+    # every verify runs in the graph, every draft but the first (the prompt's commit)
+    assert calls == {"draft": n_rounds - 2 * len(PROMPTS), "verify": n_rounds - len(PROMPTS)}
