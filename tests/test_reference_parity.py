@@ -24,6 +24,8 @@ import eagle.model.generate as generate
 from eagle.model.draft import Drafter
 from eagle.model.ea_model import EaModel
 from eagle.model.generate import TreeSpec
+from eagle.model.round_graphs import EagerRound
+from eagle.model.tree import TreeDraft
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "reference_parity")
 with open(os.path.join(FIXTURES, "goldens.json")) as f:
@@ -61,13 +63,15 @@ def models():
     return loaded
 
 
-@pytest.fixture(scope="module")
-def runs(models):
-    """Per case: the first token, and per round the drafted tree, the accepted path and the round's tokens."""
+@pytest.fixture(scope="module", params=["two_step", "general"])
+def runs(models, request):
+    """Per case: the first token, and per round the drafted tree, the accepted path and the round's tokens; on the
+    round in two steps (round_steps.py, what greedy dynamic trees run) or on the general loop (eagle_rounds)."""
     results = {}
     mp = pytest.MonkeyPatch()
     trees, paths = [], []
     dynamic_tree, accept = Drafter.dynamic_tree, generate.accept
+    draft_step, verify_step = EagerRound.draft, EagerRound.verify
 
     def spy_tree(self, *args, **kwargs):
         draft = dynamic_tree(self, *args, **kwargs)
@@ -79,12 +83,30 @@ def runs(models):
         paths.append(path)
         return tree, path, token
 
-    mp.setattr(Drafter, "dynamic_tree", spy_tree)
-    mp.setattr(generate, "accept", spy_accept)
+    def spy_draft_step(self, *args):
+        tree = draft_step(self, *args)
+        trees.append(TreeDraft(*tree).read()[0])
+        return tree
+
+    def spy_verify_step(self, *args):
+        verdict = verify_step(self, *args)
+        paths.append(verdict.path[: int(verdict.length)].tolist())
+        return verdict
+
+    if request.param == "general":
+        mp.setattr(Drafter, "dynamic_tree", spy_tree)
+        mp.setattr(generate, "accept", spy_accept)
+        for model in models.values():
+            mp.setattr(model, "round_runner", lambda *a: None)
+    else:
+        mp.setattr(EagerRound, "draft", spy_draft_step)
+        mp.setattr(EagerRound, "verify", spy_verify_step)
     try:
         for name in CASES:
             case = GOLDENS["cases"][name]
             trees.clear(), paths.clear()
+            if request.param == "two_step":
+                paths.append([0])  # the prefill's root-only pick, which the general loop's accept records
             tree = TreeSpec(case["total_token"], case["depth"], case["top_k"])
             stream = models[case["format"]].stream(GOLDENS["prompt"], tree=tree, stop_token_ids=(), max_new_tokens=100)
             rounds = [next(stream) for _ in range(3)]  # the prefill's token, then two verification rounds

@@ -81,8 +81,13 @@ def test_dynamic_tree_drafts_no_level_it_cannot_keep(tmp_path, monkeypatch):
     model = make_model(tmp_path, eagle3=True)
     drafter = primed_drafter(model)
     levels = []
-    expand = drafter._expand
-    monkeypatch.setattr(drafter, "_expand", lambda *a: levels.append(a[3]) or expand(*a))
+    run = drafter._run  # a level's head step: its nodes sit at the position committed + level - 1
+
+    def recorded(hidden, ids, positions, mask, write_at):
+        levels.append(int(positions[0, 0]) - drafter.cache.length + 1)
+        return run(hidden, ids, positions, mask, write_at)
+
+    monkeypatch.setattr(drafter, "_run", recorded)
     tree = host(drafter.dynamic_tree(3, 4, 6, 2))
     assert levels == [1, 2]  # children of depth 2 and 3
     assert (tree.tokens, tree.parents) == (lambda t: (t.tokens, t.parents))(host(drafter.dynamic_tree(3, 4, 2, 2)))

@@ -103,7 +103,7 @@ def instrument(clock: PhaseClock, model):
 
     lm = model.base.lm_head
     patches = [
-        (BaseModel, "forward", base_forward), (Drafter, "_expand", "draft_forward"),
+        (BaseModel, "forward", base_forward), (Drafter, "_run", "draft_forward"),
         (HeadStep, "log_probs", "draft_logits"), (Drafter, "dynamic_tree", "draft_select"),
         (Drafter, "static_tree", "draft_select"), (Drafter, "commit", "draft_commit"),
         (DraftTree, "__post_init__", "tree_build"), (DraftTree, "ancestor_mask", "tree_mask"),

@@ -16,7 +16,8 @@ from .masks import additive_mask
 from .draft_head import DraftHead
 from .few_rows import few_row_kernels
 from .transfer import to_device
-from .tree import DraftTree, TreeDraft, ancestors_on_device, static_tree_levels
+from .round_steps import TreeShape, grow_tree
+from .tree import DraftTree, TreeDraft, static_tree_levels
 
 
 class HeadStep:
@@ -110,54 +111,14 @@ class Drafter:
     # ---------------------------------------------------------------------------------------------------------
     @torch.inference_mode()
     def dynamic_tree(self, root: int, total_token: int, depth: int, top_k: int) -> TreeDraft:
-        """EAGLE-2: expand the top_k best nodes per level by cumulative log-probability (a beam of width top_k,
-        depth + 1 levels), then keep the total_token - 1 best nodes of all candidates seen.
-
-        Ancestor closure: a child's score is its parent's plus a log-prob <= 0, so it never beats its parent; a
-        stable sort breaks ties in favour of the lower pool index, which is the parent's (pool is level-ordered).
-        So a kept node at depth d brings its d - 1 ancestors: levels deeper than total_token - 1 are never kept
-        and are not drafted. Everything stays on the device: the host reads the tree with the verification."""
-        k = top_k
-        depth = min(depth, total_token - 2)  # expansion `level` drafts nodes of depth level + 1
-        scores, ids = self.last_log_probs[0].topk(k)  # [k]
-        tokens = self.head.to_target_ids(ids)
-        pool_scores, pool_tokens = [scores], [tokens]
-        pool_parents = [torch.full((k,), -1, device=self.device)]
-        pool_depths = [torch.full((k,), 1, device=self.device)]
-        frontier = torch.arange(k, device=self.device)  # pool indices of the frontier nodes
-        hidden = self.last.expand(k, -1)
-        ancestors = torch.eye(k, dtype=torch.bool, device=self.device)
-        pool_size, written = k, 0
-        for level in range(1, depth + 1):
-            out, log_probs = self._expand(hidden, tokens, ancestors, level, written)  # [k, H], [k, Vd]
-            written += k
-            child_lp, child_ids = log_probs.topk(k, dim=-1)  # [k, k]
-            cumulative = (child_lp + scores[:, None]).flatten()  # [k * k] path log-probs
-            child_tokens = self.head.to_target_ids(child_ids.flatten())
-            pool_scores.append(cumulative)
-            pool_tokens.append(child_tokens)
-            pool_parents.append(frontier.repeat_interleave(k))
-            pool_depths.append(torch.full((k * k,), level + 1, device=self.device))
-            scores, best = cumulative.topk(k)
-            rows = best // k
-            hidden, tokens, frontier = out[rows], child_tokens[best], pool_size + best
-            ancestors = torch.cat([ancestors[rows], torch.eye(k, dtype=torch.bool, device=self.device)], dim=1)
-            pool_size += k * k
-
-        all_scores = torch.cat(pool_scores)
-        n = min(total_token - 1, all_scores.numel())
-        order = torch.sort(all_scores, descending=True, stable=True).indices[:n]
-        chosen = torch.sort(order).values  # [n] pool indices in pool (= level) order
-        node_of_pool = torch.zeros(pool_size, dtype=torch.long, device=self.device)
-        node_of_pool[chosen] = torch.arange(1, n + 1, device=self.device)
-        parent_pool = torch.cat(pool_parents)[chosen]  # [n], -1 for the root's children
-        # Closure (see above) puts every chosen node's parent among the chosen; were it broken, a node would hang
-        # on the root and be verified as the root's child: wasted, never wrong.
-        parents = torch.where(parent_pool >= 0, node_of_pool[parent_pool.clamp(min=0)], 0)
-        parents = torch.cat([torch.full((1,), -1, device=self.device), parents])  # [n + 1]
-        tokens = torch.cat([to_device([root], self.device), torch.cat(pool_tokens)[chosen]])
-        node_depth = torch.cat([torch.zeros(1, dtype=torch.long, device=self.device), torch.cat(pool_depths)[chosen]])
-        return TreeDraft(tokens, parents, node_depth, ancestors_on_device(parents, depth + 1))
+        """EAGLE-2 (round_steps.grow_tree), each level's head step compiled where a bucket holds it. Everything stays
+        on the device: the host reads the tree with the verification."""
+        committed = torch.tensor(self.cache.length, device=self.device)
+        root_id = to_device([root], self.device)[0]
+        shape = TreeShape.of(total_token, depth, top_k)
+        tree = grow_tree(_BucketStep(self), self.cache, self.cache.length, 0, committed, self.last,
+                         self.last_log_probs, root_id, shape)  # fmt: skip
+        return TreeDraft(*tree)
 
     @torch.inference_mode()
     def static_tree(self, root: int, choices: list[list[int]]) -> TreeDraft:
@@ -197,3 +158,13 @@ class Drafter:
                 [to_device([r for _, r in lv], self.device) for lv in levels], 1 + max(r for c in choices for r in c),
             )  # fmt: skip
         return self._static[key]
+
+
+class _BucketStep:
+    """`HeadStep`'s interface over a Drafter's steps: compiled where a bucket holds the rows (`Drafter._run`)."""
+
+    def __init__(self, drafter: Drafter):
+        self.head, self.log_probs, self._run = drafter.head, drafter.step.log_probs, drafter._run
+
+    def __call__(self, hidden, input_ids, position_ids, mask, cache, write_at: int):
+        return self._run(hidden, input_ids, position_ids, mask, write_at)
