@@ -116,3 +116,19 @@ def test_the_tools_take_the_model_type_aliases_launch_py_takes(capsys):
     with pytest.raises(SystemExit) as e:
         pass_cost.main(["--model-type", "llama9"])
     assert e.value.code == 2 and "unknown model type 'llama9'" in capsys.readouterr().err
+
+
+def test_round_ab_runs_every_path_on_every_prompt_and_finds_them_identical(folder, capsys):
+    """The two-step round, the general loop and vanilla decoding, interleaved per prompt: greedy, all identical."""
+    from eagle.evaluation import round_ab
+
+    argv = ["--base-model-path", str(folder / "base"), "--ea-model-path", str(folder / "head"), "--question-file",
+            str(folder / "q.jsonl"), "--max-new-tokens", "12", "--total-token", "8", "--depth", "3", "--top-k", "2",
+            "--compile", "off", "--json", str(folder / "ab.json")]  # fmt: skip
+    assert round_ab.main(argv) == 0
+    rows = {r["path"]: r for r in json.loads((folder / "ab.json").read_text())["rows"]}
+    assert set(rows) == {"vanilla", "general", "two_step"}
+    assert all(r["identical"] == "1/1" for r in rows.values())
+    assert rows["vanilla"]["tau"] == 1.0 and rows["two_step"]["tau"] == rows["general"]["tau"]
+    assert rows["vanilla"]["round_in_vanilla_steps"] == pytest.approx(1.0)
+    assert "| two_step |" in capsys.readouterr().out
