@@ -16,7 +16,6 @@ import torch
 from .base import BaseModel
 from .masks import tree_mask
 from .draft import Drafter
-from .round_steps import TreeShape
 from .transfer import to_device
 from .tree import DraftTree
 from .verify import TokenPicker, accept
@@ -155,8 +154,7 @@ def greedy_tree_rounds(
 ) -> Iterator[Round]:  # fmt: skip
     """Greedy EAGLE-2 rounds, each two calls of `runner` (round_graphs.py: `draft`, then `verify`) and one host read;
     the same tokens as `eagle_rounds` with a greedy picker. draft_cache: the head's, with room for the prompt, the
-    budget, one commit and one tree (`TreeShape`)."""
-    shape: TreeShape = runner.shape
+    budget, one commit and one tree (round_steps.TreeShape)."""
     t0 = time.perf_counter()
     logits, features = _prefill(base, input_ids, cache, features=True)  # [1, V], [P, F]
     root = logits[-1].argmax()  # [] the first token

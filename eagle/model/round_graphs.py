@@ -22,7 +22,7 @@ from .round_steps import DeviceTree, TreeShape, Verdict, compact, draft_step, ve
 
 
 class EagerRound:
-    kind = "eager"
+    """The step functions called as they are."""
 
     def __init__(self, base, step: HeadStep, shape: TreeShape):
         self.base, self.step, self.shape = base, step, shape
@@ -41,8 +41,6 @@ class EagerRound:
 
 class CompiledRound(EagerRound):
     """The draft step and the verify step, each one graph for this tree shape (compiled on first use or `warm`)."""
-
-    kind = "inductor"
 
     def __init__(self, base, step: HeadStep, shape: TreeShape):
         super().__init__(base, step, shape)
@@ -97,6 +95,6 @@ class CompiledRound(EagerRound):
                 seconds["verify"] = time.perf_counter() - t0
         if log:
             log(f"compiled the round's {' and '.join(steps)} step{'s' if len(steps) > 1 else ''} in "
-                + " + ".join(f"{seconds[s]:.1f}" for s in steps) + f" s (tree of {shape.nodes} nodes, "
-                f"depth {shape.max_depth}, width {shape.top_k})")  # fmt: skip
+                + " + ".join(f"{seconds[s]:.1f}" for s in steps) + f" s (a tree of {shape.nodes} nodes, "
+                f"{shape.levels} draft levels of width {shape.top_k})")  # fmt: skip
         return seconds
