@@ -6,7 +6,7 @@ import argparse
 import os
 import sys
 
-from eagle.chat.model_types import ALIASES, COMPILE_MODES, DTYPES, MODEL_TYPES, ModelLoadError
+from eagle.chat.model_types import ALIASES, COMPILE_MODES, DTYPES, MODEL_TYPES, WEIGHTS, ModelLoadError
 
 EXAMPLES = """examples:
   python launch.py                                   # SmolLM2-135M-Instruct + its EAGLE-3 head, on CPU
@@ -39,6 +39,11 @@ def parser() -> argparse.ArgumentParser:
                    help="draft head dtype; auto = under a float32 base on CPU, float32 or bfloat16, whichever "
                    "drafts faster on this machine (timed once, cached; lossless: the base verifies every token), "
                    "else the base's")  # fmt: skip
+    p.add_argument("--weights", default="fp32", choices=WEIGHTS,
+                   help="the base's weights on CPU: fp32 (default), or q4_1 = the GGUF's own 4-bit blocks (and its "
+                   "8-bit embedding) read by the panel kernel, the same model bit for bit: plain decoding is faster "
+                   "there, EAGLE not yet (BENCHMARKS.md); auto = q4_1 for the embedded default converted from its "
+                   "GGUF, else fp32 (the Model panel says which)")  # fmt: skip
     p.add_argument("--device-map", default=None, help="transformers device_map (default: auto on GPU, cpu)")
     p.add_argument("--compile", default="auto", choices=COMPILE_MODES,
                    help="compiled rounds (CPU: inductor; CUDA: CUDA graphs), prepared in the background while the "
@@ -120,7 +125,8 @@ def load_engine(args):
     # compiling takes minutes: the page serves eagerly first and the compiled rounds come in when ready
     try:
         loaded = load(mtype, args.base_model_path, args.ea_model_path, args.total_token, args.depth, args.top_k,
-                      args.dtype, args.device_map, stages=3, draft_dtype=args.draft_dtype, compile="off")  # fmt: skip
+                      args.dtype, args.device_map, stages=3, draft_dtype=args.draft_dtype, compile="off",
+                      weights=args.weights)  # fmt: skip
     except ModelLoadError as e:
         if big:
             raise ModelLoadError(f"{e}\n(Also: {mtype.base} wants a GPU, and this machine shows none.)") from None
@@ -202,8 +208,11 @@ def _cuda() -> bool:
 
 
 def describe_forwards(model) -> dict:
-    """The Model panel's lines that change when compiled rounds come in."""
+    """The Model panel's lines that change when compiled rounds come in (the weights the linears read too: the
+    kernels in use decide whether they read the GGUF's blocks)."""
     from eagle.chat.model_types import forwards_description, tree_description
+    from eagle.model import few_rows
 
     # the tuner's predicted tokens/s are not shown: replies' own figures are (engine.reply_figures)
-    return {"tree": tree_description(model, predictions=False), "forwards": forwards_description(model)}
+    return {"tree": tree_description(model, predictions=False), "forwards": forwards_description(model),
+            "weights": few_rows.weights_of(model.base_model)}  # fmt: skip

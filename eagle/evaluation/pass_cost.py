@@ -5,8 +5,9 @@
 
 For each n: the median wall time of the engine's base forward over n tokens after a --context-token prefix
 (features included, as in a verify pass), with the kernel plan measured on this machine, and on CPU in float32
-the same with each few-row kernel (eagle/model/few_rows.py: F.linear, W @ x^T, MKL-packed) for every row
-count, eagerly (with --compile, the engine column times the compiled graphs where a bucket holds the rows).
+the same with each few-row kernel (eagle/model/few_rows.py: F.linear, W @ x^T, MKL-packed, panel: on GGUF blocks
+with `--weights q4_1`) for every row count, eagerly (with --compile, the engine column times the compiled graphs
+where a bucket holds the rows).
 The ratio to the 1-row time is what verifying an n-node tree costs in decode steps:
 with a head that accepts tau tokens per forward, a tree pays off when tau exceeds it (plus the draft's share).
 """
@@ -90,7 +91,8 @@ def main(argv: list[str] | None = None) -> dict:
     bound = floor(loaded.model.base_model, loaded.device)
     result.update(device=device_name(loaded.device), cpu=cpu_description(), floor=bound, model=loaded.describe(),
                   context=args.context)  # fmt: skip
-    print(f"{result['device']}; base {result['model']['base']} ({loaded.dtype}), {args.context} cached tokens")
+    print(f"{result['device']}; base {result['model']['base']} ({loaded.dtype}, weights {loaded.weights}), "
+          f"{args.context} cached tokens")  # fmt: skip
     print(f"bandwidth floor: {bound['weight_mb']:.1f} MB of weights per token at {bound['bandwidth_gb_s']:.1f} GB/s "
           f"= {bound['ms_per_token']:.2f} ms per one-token step")  # fmt: skip
     print(table(result))

@@ -9,6 +9,8 @@ Definitions (per method, over all its records, or those of one category):
 - mean_accepted_tokens  = sum(new_tokens) / sum(forwards): tokens per base forward, the base's own token included
                           (the reference's tau, vLLM's mean acceptance length); null where forwards are unknown
 - identical_to_hf       = "k/n": questions whose generated ids equal hf's (checked at temperature 0 only)
+- identical_to_vanilla  = "k/n": questions whose generated ids equal our vanilla's (same weights and kernels;
+                          temperature 0, where vanilla ran): EAGLE's losslessness at the precision in use
 - agreement_with_hf     = Σ tokens before the first difference from hf / Σ hf's new tokens, over the checked
                           questions (1.0 when all are identical; for llama.cpp, whose arithmetic differs)
 - speedup_vs_hf_reference_style = mean over questions of tokens/s, divided by hf's (the reference's speed.py)
@@ -44,6 +46,7 @@ def summarize(records: list[dict], hf_new: dict | None = None) -> dict:
     seconds = sum(r["seconds"] for r in records)
     forwards = None if any(r["forwards"] is None for r in records) else sum(r["forwards"] for r in records)
     checked = [r["identical_to_hf"] for r in records if r.get("identical_to_hf") is not None]
+    as_vanilla = [r["identical_to_vanilla"] for r in records if r.get("identical_to_vanilla") is not None]
     per_question = [r["new_tokens"] / r["seconds"] for r in records if r["seconds"] > 0]
     return {
         "questions": len(records),
@@ -54,6 +57,7 @@ def summarize(records: list[dict], hf_new: dict | None = None) -> dict:
         "forwards": forwards,
         "mean_accepted_tokens": new / forwards if forwards else None,
         "identical_to_hf": _ratio(sum(checked), len(checked)),
+        "identical_to_vanilla": _ratio(sum(as_vanilla), len(as_vanilla)),
         "agreement_with_hf": _agreement(records, hf_new),
     }
 
@@ -120,6 +124,10 @@ def _own_floor_lines(result: dict) -> list[str]:
     return ["", "x floor above is against the fp32 floor; at their own precision:", "", *lines] if lines else []
 
 
+def _weights(result: dict) -> str:
+    return result["model"].get("weights") or "fp32"
+
+
 def _unchecked(result: dict) -> str:
     peers = [n for n, m in result["methods"].items() if n in PEERS and m.get("identical_to_hf")]
     return f"only the peers {', '.join(peers)} were compared (per row below)" if peers else "not checked"
@@ -129,6 +137,8 @@ def markdown(result: dict) -> str:
     """A self-contained markdown report: settings, the overall table, the per-category table."""
     s, m = result["settings"], result["model"]
     dtypes = m["dtype"] if m.get("draft_dtype", m["dtype"]) == m["dtype"] else f"{m['dtype']}, head {m['draft_dtype']}"
+    if m.get("weights") not in (None, "fp32"):
+        dtypes += f", weights {m['weights']}"
     lines = [f"**{result['label']}**", ""] if result.get("label") else []
     lines += [
         f"**Machine:** {result['device']}  ",
@@ -156,6 +166,9 @@ def markdown(result: dict) -> str:
             f"{'–' if agree is None else f'{100 * agree:.1f}%'} | {m['new_tokens']} | {_fmt(m['seconds'], 2)} |"
         )
     lines += _own_floor_lines(result)
+    same = [f"{n} {m['identical_to_vanilla']}" for n, m in result["methods"].items() if m.get("identical_to_vanilla")]
+    if same:
+        lines += ["", f"Identical to our vanilla (T=0, weights {_weights(result)}): {', '.join(same)}"]
     cats = result.get("categories") or []
     if cats:
         names = list(result["methods"])

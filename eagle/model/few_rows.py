@@ -15,7 +15,10 @@ is memory bandwidth, and which kernel streams best depends on the CPU and the ro
   registers meanwhile, so 8 rows cost about one (an AMD EPYC Zen 5, 2 threads, 141 MB of the default model's
   layer shapes: 1 / 8 / 16 rows 1.7-2.1 / 1.8-2.3 / 2.9-3.5 ms, F.linear 8.2 / 12.6 / 16.3). Its panels are a second
   copy of each weight, kept only while it fits as "packed"'s is; it is also the kernel inside compiled graphs
-  (compiled.py), where inductor calls it as an operator.
+  (compiled.py), where inductor calls it as an operator. A layer whose base names a GGUF (quant_gguf.py: the
+  embedded default at its own precision, `--weights q4_1`) has its GGUF blocks (`gguf`) and its panels made of
+  them: the same kernel reading 4-bit (Q4_1) or 8-bit (Q8_0) blocks and dequantizing them in registers to exactly
+  the float32 weight (quant_linear.cpp); such a model's plan defaults to "panel" for every row count.
 A *plan* maps each row count to a kernel: `DEFAULT_PLAN` without a measurement, or the fastest kernel per row
 count as timed on this machine (`tuner.few_row_plan`). Rows beyond MAX_ROWS always take F.linear.
 
@@ -33,7 +36,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from . import panel_kernel
+from . import panel_kernel, quant_gguf, quant_panels
 
 PACKED_ROWS = 16
 MAX_ROWS = PACKED_ROWS
@@ -62,8 +65,8 @@ def kernels_id() -> str:
     changed one is measured again)."""
     import hashlib
 
-    source = hashlib.sha256(panel_kernel.SOURCE.read_bytes()).hexdigest()[:12]
-    return f"{','.join(usable_kernels())};panel_linear.cpp {source}"
+    source = hashlib.sha256(b"".join(s.read_bytes() for s in panel_kernel.SOURCES)).hexdigest()[:12]
+    return f"{','.join(usable_kernels())};{'+'.join(s.name for s in panel_kernel.SOURCES)} {source}"
 
 
 def uniform_plan(kernel: str) -> dict[int, str]:
@@ -75,7 +78,8 @@ class FewRowLinear(nn.Linear):
     """nn.Linear whose forward takes its plan's kernel for the row count inside `few_row_kernels()`.
 
     `plan` (rows -> kernel, shared by the layers of one model), `packed` (the MKL-packed weight, or None),
-    `panels` (the panel kernel's copy, or None) and `siblings` (see `Siblings`, or None) are plain attributes:
+    `panels` (the panel kernel's copy, or None), `gguf` ((GGML type, the weight's GGUF blocks) whose panels the
+    panel kernel reads instead of float32 ones, or None) and `siblings` (see `Siblings`, or None) are plain attributes:
     parameters and state dict keys stay nn.Linear's. In a compiled graph (compiled.py; the rows are static there)
     rows the plan gives to "panel" call the panel kernel and any other rows F.linear, whether or not
     `few_row_kernels()` was entered."""
@@ -83,6 +87,7 @@ class FewRowLinear(nn.Linear):
     plan: dict[int, str]
     packed: torch.Tensor | None
     panels: torch.Tensor | None
+    gguf: tuple[int, torch.Tensor] | None
     siblings: "Siblings | None"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -98,13 +103,13 @@ class FewRowLinear(nn.Linear):
         if kernel == "linear" or (kernel in COPIES and copy is None):
             return super().forward(x)
         if kernel == "panel":
-            siblings = self.siblings
+            siblings, gguf = self.siblings, self.gguf
             if siblings is not None and compiling:
                 # the siblings' product, this layer's columns of it: every sibling makes the same call on the same
                 # input, and freezing's common-subexpression pass leaves one (the graph's linears 7 -> 4 a layer)
-                out = torch.ops.eagle.panel_linear(x, siblings.panels, siblings.bias, siblings.out_features)
+                out = _panel_linear(x, siblings.panels, siblings.bias, siblings.out_features, gguf)
                 return out[..., siblings.start : siblings.start + self.out_features]
-            return torch.ops.eagle.panel_linear(x, copy, self.bias, self.out_features)
+            return _panel_linear(x, copy, self.bias, self.out_features, gguf)
         flat = x.reshape(rows, x.shape[-1])  # [rows, in]
         if kernel == "packed":
             pad = flat.new_zeros(PACKED_ROWS - rows, flat.shape[1])
@@ -119,6 +124,13 @@ class FewRowLinear(nn.Linear):
             if self.bias is not None:
                 out = out + self.bias
         return out.contiguous().reshape(*x.shape[:-1], self.out_features)
+
+
+def _panel_linear(x, panels, bias, out_features: int, gguf) -> torch.Tensor:
+    """The panel kernel on float32 panels (gguf None) or on the GGUF blocks' panels (gguf: (GGML type, blocks))."""
+    if gguf is None:
+        return torch.ops.eagle.panel_linear(x, panels, bias, out_features)
+    return torch.ops.eagle.quant_panel_linear(x, panels, bias, out_features, gguf[0])
 
 
 class Siblings(NamedTuple):
@@ -136,18 +148,44 @@ def _layers(model: nn.Module):
 
 
 def install(model: nn.Module, plan: dict[int, str] | None = None) -> int:
-    """Give the float32 CPU nn.Linear layers of `model` the few-row path with `plan` (None = DEFAULT_PLAN);
-    returns how many layers. Parameters, state dict keys and behaviour outside `few_row_kernels()` stay the same."""
-    n = 0
-    for module in model.modules():
+    """Give the float32 CPU nn.Linear layers of `model` the few-row path with `plan` (None = DEFAULT_PLAN, or
+    "panel" for every row count where layers have GGUF blocks); returns how many layers. Parameters, state dict
+    keys and behaviour outside `few_row_kernels()` stay the same.
+
+    Where the model's config names a GGUF (quant_gguf.CONFIG_KEY) and the panel kernel runs here, the layers the
+    file keeps as Q4_1 or Q8_0 get those blocks (`gguf`); raises quant_gguf.GgufMismatch if they are not exactly
+    the layers' weights."""
+    n, layers = 0, {}
+    for name, module in model.named_modules():
         w = module.weight if type(module) is nn.Linear else None
         if w is not None and w.device.type == "cpu" and w.dtype == torch.float32:
             module.__class__ = FewRowLinear
-            module.packed = module.panels = module.siblings = None
+            module.packed = module.panels = module.siblings = module.gguf = None
+            layers[name] = module
             n += 1
+    gguf = quant_gguf.gguf_path_of(model)
+    if n and gguf is not None and panel_kernel.available():
+        for name, blocks in quant_gguf.cached_blocks_for(model, gguf).items():
+            if name in layers:
+                layers[name].gguf = blocks
     if n:
-        set_plan(model, DEFAULT_PLAN if plan is None else plan)
+        quantized = any(layer.gguf is not None for layer in layers.values())
+        set_plan(model, plan if plan is not None else uniform_plan("panel") if quantized else DEFAULT_PLAN)
     return n
+
+
+def weights_of(model: nn.Module) -> str:
+    """Which weights the linears of `model` read: the GGUF block types with their layers (e.g. "q4_1 (210 layers),
+    q8_0 (lm_head)") where few-row layers read GGUF blocks, else "fp32" (or the model's dtype)."""
+    counts: dict[str, list[str]] = {}
+    for name, layer in ((n, m) for n, m in model.named_modules() if type(m) is FewRowLinear):
+        if layer.gguf is not None and layer.panels is not None:
+            counts.setdefault(quant_panels.NAMES[layer.gguf[0]], []).append(name)
+    if not counts:
+        dtype = next((p.dtype for p in model.parameters()), torch.float32)
+        return "fp32" if dtype == torch.float32 else str(dtype).replace("torch.", "")
+    return ", ".join(f"{kind} ({names[0] if len(names) == 1 else f'{len(names)} layers'})"
+                     for kind, names in sorted(counts.items(), key=lambda kv: -len(kv[1])))  # fmt: skip
 
 
 def set_plan(model: nn.Module, plan: dict[int, str]) -> dict[int, str]:
@@ -168,7 +206,7 @@ def set_plan(model: nn.Module, plan: dict[int, str]) -> dict[int, str]:
     for layer in layers:  # copies made before the plan names them, freed after it stops naming them
         for kernel, attr in COPIES.items():
             if kernel in plan.values() and getattr(layer, attr) is None:
-                setattr(layer, attr, _copy(kernel, layer.weight))
+                setattr(layer, attr, _copy(kernel, layer))
         layer.plan = plan
         for kernel, attr in COPIES.items():
             if kernel not in plan.values():
@@ -189,9 +227,11 @@ def _share_sibling_panels(model: nn.Module) -> None:
                 continue
             if len({layer.in_features for layer in layers}) > 1 or len({layer.bias is None for layer in layers}) > 1:
                 continue
-            own = [panel_kernel.pack(layer.weight) for layer in layers]  # [P_i, K, NB] each
-            panels = torch.cat(own)  # [P, K, NB]
-            nb = panels.shape[2]
+            if len({None if layer.gguf is None else layer.gguf[0] for layer in layers}) > 1:
+                continue  # one kernel call reads one kind of panels
+            own = [_pack(layer) for layer in layers]  # [P_i, K, NB] or [P_i, bytes] each
+            panels = torch.cat(own)  # [P, K, NB] or [P, bytes]
+            nb = panels.shape[2] if layers[0].gguf is None else quant_panels.width()
             torch._dynamo.mark_static(panels)
             bias = None if layers[0].bias is None else panels.new_zeros(panels.shape[0] * nb)  # [P * NB]
             first = 0  # the layer's first panel
@@ -204,11 +244,18 @@ def _share_sibling_panels(model: nn.Module) -> None:
                 first += p.shape[0]
 
 
+def _pack(layer: FewRowLinear) -> torch.Tensor:
+    """The layer's panels: of its GGUF blocks where it has them, else of its float32 weight."""
+    if layer.gguf is not None:
+        return quant_panels.pack(*layer.gguf)  # [P, K / 32 * bytes per block * NB]
+    return panel_kernel.pack(layer.weight)  # [P, K, NB]
+
+
 @torch.no_grad()
-def _copy(kernel: str, weight: torch.Tensor) -> torch.Tensor:
+def _copy(kernel: str, layer: FewRowLinear) -> torch.Tensor:
     if kernel == "packed":
-        return torch.ops.mkl._mkl_reorder_linear_weight(weight.detach(), PACKED_ROWS)
-    panels = panel_kernel.pack(weight)
+        return torch.ops.mkl._mkl_reorder_linear_weight(layer.weight.detach(), PACKED_ROWS)
+    panels = _pack(layer)
     # static in graphs (compiled.py traces with dynamic=True): a plain attribute's sizes would become symbols, left
     # undeclared in inductor's C++ wrapper once the panels are frozen into the graph
     torch._dynamo.mark_static(panels)
@@ -238,7 +285,7 @@ def uninstall(model: nn.Module) -> int:
     n = 0
     for module in _layers(model):
         module.__class__ = nn.Linear
-        del module.plan, module.packed, module.panels, module.siblings
+        del module.plan, module.packed, module.panels, module.siblings, module.gguf
         n += 1
     return n
 

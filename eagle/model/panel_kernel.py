@@ -5,6 +5,8 @@ rounding, with the weight stored as column panels (`pack`): each panel one conti
 panels, a tile's sums in vector registers while the panel streams past once. So 8 rows cost about what one row
 does: the weight is read once either way, and the multiply-adds of 8 rows fit in the time it takes to read it.
 It is a real operator (schema, fake tensor), so eager code and inductor graphs (compiled.py) call the same thing.
+The same library holds `torch.ops.eagle.quant_panel_linear` (quant_linear.cpp), the kernel on weights kept in
+their GGUF blocks (quant_panels.py).
 
 The library is built at first use with the machine's compiler (`$CXX` or g++, `-march=native`, OpenMP through
 torch's own runtime) in a few seconds, and cached under `cache_dir()/kernels`, keyed on its source, torch, the
@@ -26,6 +28,8 @@ from pathlib import Path
 import torch
 
 SOURCE = Path(__file__).with_name("panel_linear.cpp")
+# built into the same library: the kernel over weights kept in GGUF blocks (quant_panels.py)
+SOURCES = (SOURCE, Path(__file__).with_name("quant_linear.cpp"))
 _lock = threading.Lock()
 _state: dict = {}  # "ok": bool once tried; "why": the reason it is unavailable; "path": the library loaded
 
@@ -56,7 +60,7 @@ def build_command(cxx: str, out: Path, flags: tuple[str, ...] = ()) -> list[str]
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
     return [
         cxx, "-O3", "-march=native", *flags, "-fopenmp", "-shared", "-fPIC", "-std=c++20", "-w",
-        f"-D_GLIBCXX_USE_CXX11_ABI={abi}", *includes, str(SOURCE),
+        f"-D_GLIBCXX_USE_CXX11_ABI={abi}", *includes, *map(str, SOURCES),
         f"-L{torch_lib}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{torch_lib}", "-o", str(out),
     ]  # fmt: skip
 
@@ -66,7 +70,8 @@ def library_path(cxx: str) -> Path:
 
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout.split("\n")[0]
     key = hashlib.sha256(
-        "\0".join([SOURCE.read_text(), torch.__version__, version, _cpu_identity(), sys.platform]).encode()
+        "\0".join([*(s.read_text() for s in SOURCES), torch.__version__, version, _cpu_identity(), sys.platform])
+        .encode()
     ).hexdigest()[:16]
     return cache_dir() / "kernels" / f"panel_linear-{key}.so"
 
@@ -86,10 +91,11 @@ def _build_and_load() -> None:
             tmp.unlink(missing_ok=True)
             lines = (done.stderr or done.stdout).strip().splitlines() or [f"exit status {done.returncode}"]
             first_error = next((line for line in lines if "error" in line), lines[-1])
-            raise RuntimeError(f"{cxx} failed on {SOURCE}: {first_error.strip()}")
+            raise RuntimeError(f"{cxx} failed on {' '.join(map(str, SOURCES))}: {first_error.strip()}")
         tmp.replace(path)
     torch.ops.load_library(str(path))
     torch.library.register_fake("eagle::panel_linear")(_panel_linear_shape)  # shapes for tracing (compiled.py)
+    torch.library.register_fake("eagle::quant_panel_linear")(_quant_panel_linear_shape)
     _state["path"] = path
 
 
@@ -127,4 +133,8 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
 
 
 def _panel_linear_shape(x, panels, bias, out_features):
+    return x.new_empty(*x.shape[:-1], out_features)
+
+
+def _quant_panel_linear_shape(x, panels, bias, out_features, qtype):
     return x.new_empty(*x.shape[:-1], out_features)

@@ -1,0 +1,75 @@
+"""Weights kept in their GGUF blocks, packed as panels for `torch.ops.eagle.quant_panel_linear` (quant_linear.cpp).
+
+A GGUF block holds 32 consecutive weights of one output row: Q4_1 an fp16 scale d, an fp16 minimum m and 32
+4-bit q (w = d * q + m), Q8_0 an fp16 scale d and 32 int8 q (w = d * q). `blocks` here are a weight's blocks as
+the file stores them, uint8 [N, K / 32 * BLOCK_BYTES[qtype]], rows in the model's order. `pack` regroups them as
+column panels of `width()` columns, the kernel's layout; `dequantize` gives the float32 weight exactly as gguf-py
+(and so transformers' GGUF loading) computes it, the values the kernel uses.
+"""
+
+from __future__ import annotations
+
+import torch
+
+Q4_1, Q8_0 = 3, 8  # ggml's type numbers (gguf.GGMLQuantizationType), passed to the operator
+NAMES = {Q4_1: "q4_1", Q8_0: "q8_0"}
+BLOCK = 32  # weights per block
+BLOCK_BYTES = {Q4_1: 20, Q8_0: 34}  # bytes per block in the file
+
+
+def width() -> int:
+    """Columns per panel of the kernel loaded here (32 with AVX-512, 16 with AVX2): needs panel_kernel.available()."""
+    return torch.ops.eagle.quant_panel_width()
+
+
+def _split(qtype: int, blocks: torch.Tensor):
+    """blocks uint8 [N, nb * BLOCK_BYTES] -> d fp16 [N, nb], m fp16 [N, nb] or None, q [N, nb, 32] (uint8 0..15 for
+    Q4_1, int8 for Q8_0) in k order."""
+    if qtype not in BLOCK_BYTES:
+        raise ValueError(f"GGML type {qtype} has no panel kernel; supported: {', '.join(NAMES.values())}")
+    n = blocks.shape[0]
+    b = blocks.reshape(n, -1, BLOCK_BYTES[qtype])  # [N, nb, bytes]
+    d = b[..., 0:2].contiguous().view(torch.float16)[..., 0]  # [N, nb]
+    if qtype == Q8_0:
+        return d, None, b[..., 2:].contiguous().view(torch.int8)
+    m = b[..., 2:4].contiguous().view(torch.float16)[..., 0]
+    qs = b[..., 4:]  # [N, nb, 16]: byte i holds weight i (low nibble) and weight i + 16 (high nibble)
+    return d, m, torch.cat((qs & 15, qs >> 4), dim=-1)
+
+
+def dequantize(qtype: int, blocks: torch.Tensor) -> torch.Tensor:
+    """The float32 weight [N, K] of `blocks`, computed as gguf-py does: (d * q) + m, d * q (Q8_0)."""
+    d, m, q = _split(qtype, blocks)
+    w = d.float()[..., None] * q.float()  # [N, nb, 32]
+    if m is not None:
+        w = w + m.float()[..., None]
+    return w.reshape(blocks.shape[0], -1)
+
+
+def pack(qtype: int, blocks: torch.Tensor, nb: int | None = None) -> torch.Tensor:
+    """blocks uint8 [N, K / 32 * BLOCK_BYTES] -> panels uint8 [ceil(N / NB), K / 32 * BLOCK_BYTES * NB] (a new
+    tensor; zero columns past N: d = m = q = 0, weights 0). Per panel, block after block: d[NB] fp16, (Q4_1) m[NB]
+    fp16, then Q4_1 16 k-pairs x NB bytes (q[2i] | q[2i + 1] << 4), Q8_0 32 k x NB int8."""
+    nb = nb or width()
+    d, m, q = _split(qtype, blocks)
+    n, nblocks = d.shape
+    p = -(-n // nb)
+
+    def panels(t: torch.Tensor) -> torch.Tensor:  # [N, nblocks, ...] -> [P, nblocks, ..., NB] as bytes
+        padded = t.new_zeros(p * nb, *t.shape[1:])
+        padded[:n] = t
+        t = padded.view(p, nb, *t.shape[1:]).movedim(1, -1)  # [P, nblocks, ..., NB]
+        return t.contiguous().view(torch.uint8).reshape(p, nblocks, -1)
+
+    parts = [panels(d)]  # [P, nblocks, 2 NB]
+    if qtype == Q4_1:
+        q = q.to(torch.uint8)
+        parts += [panels(m), panels(q[..., 0::2] | (q[..., 1::2] << 4))]  # [P, nblocks, 2 NB], [.., 16 NB]
+    else:
+        parts.append(panels(q))  # [P, nblocks, 32 NB]
+    return torch.cat(parts, dim=-1).reshape(p, -1)  # [P, nblocks * BLOCK_BYTES * NB]
+
+
+def linear(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, out_features: int, qtype: int):
+    """x [..., K] float32 -> [..., N]: the operator on packed panels."""
+    return torch.ops.eagle.quant_panel_linear(x, panels, bias, out_features, qtype)

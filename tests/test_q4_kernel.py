@@ -1,0 +1,111 @@
+"""The panel kernel on GGUF blocks (eagle/model/quant_panels.py, quant_linear.cpp): Q4_1 and Q8_0 weights
+dequantized in registers to exactly gguf-py's float32 values, products within float32 rounding of F.linear on
+them (bit for bit the float32 panel kernel's), and each row independent of the others."""
+
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+import gguf
+import pytest
+import torch
+from q4_fixtures import error_bound, random_blocks
+
+from eagle.model import panel_kernel, quant_panels
+from eagle.model.quant_panels import Q4_1, Q8_0
+
+needs_kernel = pytest.mark.skipif(
+    not panel_kernel.available(), reason=f"panel kernel: {panel_kernel._state.get('why')}"
+)
+QTYPES = [Q4_1, Q8_0]
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_dequantize_equals_gguf_py_bit_for_bit(qtype):
+    blocks = random_blocks(qtype, 40, 96)
+    ref = gguf.dequantize(blocks.numpy(), gguf.GGMLQuantizationType(qtype)).reshape(40, 96)
+    assert torch.equal(quant_panels.dequantize(qtype, blocks), torch.from_numpy(ref))
+
+
+@needs_kernel
+@pytest.mark.parametrize("qtype", QTYPES)
+@pytest.mark.parametrize("n, k", [(1, 32), (31, 64), (32, 64), (33, 96), (3 * 32 + 5, 576)])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9, 16])
+def test_quant_panel_linear_is_f_linear_on_the_dequantized_weight(qtype, n, k, rows):
+    blocks = random_blocks(qtype, n, k, seed=n * 100 + rows)
+    w = quant_panels.dequantize(qtype, blocks)  # [n, k]
+    panels = quant_panels.pack(qtype, blocks)
+    nb = quant_panels.width()
+    assert panels.shape == (-(-n // nb), k // 32 * quant_panels.BLOCK_BYTES[qtype] * nb)
+    x, b = torch.randn(2, rows, k), torch.randn(n)
+    for bias in (None, b):
+        out = quant_panels.linear(x, panels, bias, n, qtype)
+        assert out.shape == (2, rows, n) and out.is_contiguous()
+        ref = torch.nn.functional.linear(x, w, bias)
+        assert ((out - ref).abs() <= error_bound(x, w, bias)).all()
+        # the same sums in the same order as the float32 panel kernel: bit for bit
+        assert torch.equal(out, torch.ops.eagle.panel_linear(x, panel_kernel.pack(w), bias, n))
+
+
+@needs_kernel
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_a_row_alone_equals_the_same_row_among_8_or_16(qtype):
+    """Batch invariance: a verify pass's rows (tree siblings, padding) never change a row's result, bit for bit,
+    so greedy EAGLE and greedy vanilla see the same logits for the same tokens."""
+    n, k = 200, 192
+    panels = quant_panels.pack(qtype, random_blocks(qtype, n, k))
+    x = torch.randn(1, k)
+    alone = quant_panels.linear(x, panels, None, n, qtype)
+    for rows in (2, 4, 5, 8, 9, 16):
+        others = 100 * torch.randn(rows - 1, k)
+        assert torch.equal(quant_panels.linear(torch.cat([x, others]), panels, None, n, qtype)[:1], alone)
+        assert torch.equal(quant_panels.linear(torch.cat([others, x]), panels, None, n, qtype)[-1:], alone)
+
+
+@needs_kernel
+def test_blocks_that_do_not_match_are_refused_with_the_fix():
+    panels = quant_panels.pack(Q4_1, random_blocks(Q4_1, 64, 64))
+    with pytest.raises(RuntimeError, match="pack the blocks with eagle.model.quant_panels.pack"):
+        quant_panels.linear(torch.randn(1, 96), panels, None, 64, Q4_1)
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        quant_panels.linear(torch.randn(1, 48), panels, None, 64, Q4_1)
+    with pytest.raises(RuntimeError, match="Q4_1"):
+        quant_panels.linear(torch.randn(1, 64), panels, None, 64, 2)
+
+
+CHECK = """
+import sys, torch
+sys.path.insert(0, sys.argv[2])
+from q4_fixtures import random_blocks, error_bound
+from eagle.model import quant_panels
+torch.ops.load_library(sys.argv[1])
+assert quant_panels.width() == 16, quant_panels.width()  # the AVX2 build
+for qtype in (quant_panels.Q4_1, quant_panels.Q8_0):
+    for n, k in [(1, 32), (15, 64), (16, 64), (17, 96), (200, 576)]:
+        blocks = random_blocks(qtype, n, k)
+        w, panels = quant_panels.dequantize(qtype, blocks), quant_panels.pack(qtype, blocks)
+        for rows in (1, 2, 3, 4, 5, 8, 13, 16):
+            x, b = torch.randn(rows, k), torch.randn(n)
+            out = quant_panels.linear(x, panels, b, n, qtype)
+            assert ((out - torch.nn.functional.linear(x, w, b)).abs() <= error_bound(x, w, b)).all()
+            assert torch.equal(quant_panels.linear(x[-1:], panels, b, n, qtype), out[-1:])
+"""
+
+
+@needs_kernel
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="-mno-avx512f is an x86 flag")
+def test_the_avx2_build_computes_the_same(tmp_path):
+    """The AVX2 code (CI machines without AVX-512) built and checked here too, in a process of its own."""
+    library = tmp_path / "panel_linear_avx2.so"
+    subprocess.run(panel_kernel.build_command(panel_kernel._compiler(), library, ("-mno-avx512f",)), check=True)
+    root, tests = str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)
+    subprocess.run([sys.executable, "-c", CHECK, str(library), tests], check=True, timeout=120,
+                   env={**os.environ, "PYTHONPATH": root})  # fmt: skip
+
+
+@needs_kernel
+def test_no_rows_give_no_rows():
+    panels = quant_panels.pack(Q4_1, random_blocks(Q4_1, 40, 64))
+    assert quant_panels.linear(torch.randn(0, 64), panels, None, 40, Q4_1).shape == (0, 40)

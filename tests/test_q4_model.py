@@ -1,0 +1,109 @@
+"""A base whose config names a GGUF (eagle/model/quant_gguf.py) reads the file's Q4_1 / Q8_0 blocks in its CPU
+linears (few_rows.py): the same model as its float32 weights, bit for bit, and greedy EAGLE equal to greedy vanilla
+on it."""
+
+import pytest
+import torch
+from lossless_checks import PROMPTS
+from q4_fixtures import quantized_tiny_base
+from tiny import random_draft
+
+from eagle.model import few_rows, panel_kernel, quant_gguf, quant_panels
+from eagle.model.checkpoint import read_checkpoint
+from eagle.model.ea_model import EaModel, load_head
+
+needs_kernel = pytest.mark.skipif(
+    not panel_kernel.available(), reason=f"panel kernel: {panel_kernel._state.get('why')}"
+)
+
+
+@needs_kernel
+def test_the_layers_read_the_gguf_blocks_and_compute_what_float32_weights_do(tmp_path):
+    base = quantized_tiny_base(tmp_path / "tiny.gguf")
+    ids = torch.tensor([PROMPTS[1]])
+    with torch.no_grad():
+        plain = base(ids).logits  # nn.Linear on the float32 weights
+    assert few_rows.install(base) == 2 * 7 + 1
+    assert few_rows.plan_of(base) == few_rows.uniform_plan("panel")  # the default plan of a quantized base
+    assert few_rows.weights_of(base) == "q4_1 (14 layers), q8_0 (lm_head)"
+    q_proj = base.model.layers[0].self_attn.q_proj
+    assert q_proj.gguf[0] == quant_panels.Q4_1 and q_proj.panels.dtype == torch.uint8
+    with torch.no_grad(), few_rows.few_row_kernels():
+        quantized = [base(ids[:, : n + 1]).logits for n in range(ids.shape[1])]
+        layers = [m for m in base.modules() if type(m) is few_rows.FewRowLinear]
+        few_rows.set_plan(base, {1: "linear"})  # the copies freed, then made again of the float32 weights
+        for layer in layers:
+            layer.gguf = None
+        few_rows.set_plan(base, few_rows.uniform_plan("panel"))
+        assert few_rows.weights_of(base) == "fp32"
+        fp32 = [base(ids[:, : n + 1]).logits for n in range(ids.shape[1])]
+    assert all(torch.equal(q, f) for q, f in zip(quantized, fp32))  # the same sums of the same weights
+    torch.testing.assert_close(quantized[-1], plain, rtol=1e-4, atol=1e-4)
+
+
+@needs_kernel
+def test_a_model_that_is_not_the_ggufs_is_refused_with_the_fix(tmp_path):
+    base = quantized_tiny_base(tmp_path / "tiny.gguf")
+    with torch.no_grad():
+        base.model.layers[1].mlp.down_proj.weight[0, 0] += 1e-3
+    with pytest.raises(quant_gguf.GgufMismatch, match=r"layers\.1\.mlp\.down_proj.*--weights fp32"):
+        few_rows.install(base)
+
+
+@needs_kernel
+def test_greedy_eagle_equals_greedy_vanilla_at_q4_1_weights(tmp_path):
+    """Every verify pass (8 rows of a tree) gives each row the logits a one-row step gives it: the batch-invariant
+    kernel, so EAGLE's greedy tokens are vanilla's, bit for bit, on the quantized weights."""
+    base = quantized_tiny_base(tmp_path / "tiny.gguf", layers=4)
+    config, state = read_checkpoint(random_draft(base, str(tmp_path / "draft")))
+    model = EaModel(base, load_head(base, config, state), None, total_token=8, depth=3, top_k=4)
+    assert few_rows.weights_of(base).startswith("q4_1")
+    new_tokens = forwards = 0
+    for prompt in PROMPTS:
+        ids = torch.tensor([prompt])
+        vanilla = model.naivegenerate(ids, max_new_tokens=40, stop_token_ids=[])
+        eagle, n, rounds = model.eagenerate(ids, max_new_tokens=40, stop_token_ids=[], log=True)
+        assert eagle.tolist() == vanilla.tolist()
+        new_tokens, forwards = new_tokens + n, forwards + rounds + 1
+    assert new_tokens / forwards > 1.05, "no drafted token was accepted: the verify passes were not exercised"
+
+
+@needs_kernel
+def test_a_traced_graph_calls_the_quantized_kernel_on_the_siblings_panels(tmp_path):
+    """In a graph (compiled.py traces the base), a layer with GGUF blocks calls the quantized operator, on its
+    siblings' shared panels where it has siblings, and the graph computes what eager code does."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    base = quantized_tiny_base(tmp_path / "tiny.gguf", layers=1)
+    few_rows.install(base)
+    layer = base.model.layers[0]
+    x = torch.randn(1, 8, 64)
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("eager")
+    with torch.no_grad():
+        out = torch.compile(layer.mlp, backend=counter, fullgraph=True)(x)
+        with few_rows.few_row_kernels():
+            assert torch.equal(out, layer.mlp(x))
+    targets = [n.target for g in counter.graphs for n in g.graph.nodes if n.op == "call_function"]
+    # gate and up make the same call on their shared panels (freezing keeps one), down its own
+    assert targets.count(torch.ops.eagle.quant_panel_linear) == 3
+    assert torch.ops.eagle.panel_linear not in targets
+
+
+@needs_kernel
+def test_compiled_greedy_eagle_equals_compiled_greedy_vanilla_at_q4_1_weights(tmp_path):
+    """The inductor graphs (compiled.py) freeze the GGUF blocks' panels and call the quantized operator: greedy
+    EAGLE through the 8-row graph equals greedy vanilla through the 1-row graph (a compile of each: 20 s)."""
+    base = quantized_tiny_base(tmp_path / "tiny.gguf", layers=4)
+    config, state = read_checkpoint(random_draft(base, str(tmp_path / "draft")))
+    model = EaModel(base, load_head(base, config, state), None, total_token=8, depth=3, top_k=4)
+    from eagle.model import runners
+
+    graphs = runners.decode_graphs(model.base, (1, 8))
+    graphs.warm()
+    model.base.compiled = graphs
+    assert few_rows.weights_of(base).startswith("q4_1") and graphs.graphs.linears(8) == "panel kernel"
+    for prompt in PROMPTS:
+        ids = torch.tensor([prompt])
+        vanilla = model.naivegenerate(ids, max_new_tokens=40, stop_token_ids=[])
+        assert model.eagenerate(ids, max_new_tokens=40, stop_token_ids=[]).tolist() == vanilla.tolist()
