@@ -53,6 +53,8 @@ class TreeShape:
 
 
 class DeviceTree(NamedTuple):
+    """tree.TreeDraft's fields as a tuple, which a compiled graph returns as it is (`TreeDraft(*tree)` reads it)."""
+
     tokens: torch.Tensor  # [N] long; tokens[0] is the root
     parents: torch.Tensor  # [N] long; parents[0] == -1, parents[i] < i
     depth: torch.Tensor  # [N] long; root 0
