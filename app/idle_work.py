@@ -161,6 +161,13 @@ def saved_verdict(spec_key: str) -> dict | None:
         return None
 
 
+def awaiting(child, graph: str | None = None) -> Iterator[Wait]:
+    """Waits while `child` (a ChildCompile, or None: nothing to wait for) has not compiled `graph` (None: all of its
+    graphs) and has not finished."""
+    while child is not None and (graph is None or graph not in child.compiled) and not child.finished:
+        yield Wait(child.progress())
+
+
 def compiled_rounds(engine, child, spec, mode: str, log) -> Iterator[str | Loading | Wait]:
     """Wait for `child` (a ChildCompile, or None when the graphs are in the cache already), load the graphs from the
     cache a graph a unit, decide (mode "auto": only where compiled forwards measure faster, idle and stable), then
@@ -174,8 +181,7 @@ def compiled_rounds(engine, child, spec, mode: str, log) -> Iterator[str | Loadi
     model = engine.model
     graphs, base_graphs = spec.graphs(), None
     for i, (kind, rows) in enumerate(graphs):  # each as soon as a child has compiled it
-        while child is not None and graph_name(kind, rows) not in child.compiled and not child.finished:
-            yield Wait(child.progress())
+        yield from awaiting(child, graph_name(kind, rows))
         if child is not None and child.error:
             break
         yield Loading(f"loading the compiled graphs: {i + 1} of {len(graphs)} ({rows}-row {kind})")
@@ -185,8 +191,7 @@ def compiled_rounds(engine, child, spec, mode: str, log) -> Iterator[str | Loadi
             draft_graphs = model.compile_draft(spec.draft_buckets, head=head)
         seconds = (base_graphs if kind == "base" else draft_graphs).warm(rows=[rows])[rows]
         log(f"loaded the {rows}-row {kind} graph in {seconds:.1f} s")
-    while child is not None and not child.finished:
-        yield Wait(child.progress())
+    yield from awaiting(child)
     engine.child = None  # nothing left to stop while the model works
     if child is not None and child.error:
         if base_graphs is not None:
@@ -262,16 +267,14 @@ def two_step_rounds(engine, spec, log) -> Iterator[str | Loading | Wait]:
     rounds = round_graphs(model, head, spec.round_tree)
     try:
         for kind, nodes in spec.graphs():
-            while child is not None and graph_name(kind, nodes) not in child.compiled and not child.finished:
-                yield Wait(child.progress())
+            yield from awaiting(child, graph_name(kind, nodes))
             if child is not None and child.error:
                 log(f"compiling the round's steps stopped ({child.error}); rounds go on with the forwards' graphs")
                 return
             yield Loading(f"loading the compiled graphs: the round's {kind.removeprefix('round_')} step")
             step = kind.removeprefix("round_")
             log(f"loaded the round's {step} step in {rounds.warm(steps=(step,))[step]:.1f} s")
-        while child is not None and not child.finished:
-            yield Wait(child.progress())
+        yield from awaiting(child)
     finally:
         engine.child = None
     if model.ea_layer is head and model.tree == tree:

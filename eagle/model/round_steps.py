@@ -170,9 +170,8 @@ def compact(cache, committed: int, path: torch.Tensor) -> None:
     Kept out of the verify step's graph: a compiled graph that reads and rewrites the cache it has just written
     copies every layer's whole buffer."""
     keep = committed + path  # [D + 1] cache positions of the path's rows
-    for layer in cache.layers:  # index_select copies first: overlapping ranges are safe
-        layer.keys[:, :, committed : committed + keep.shape[0]] = layer.keys.index_select(2, keep)
-        layer.values[:, :, committed : committed + keep.shape[0]] = layer.values.index_select(2, keep)
+    for layer in cache.layers:  # kv_cache.PreallocatedLayer.compact, on the device: no host read of the path
+        layer.compact(keep, committed)
 
 
 def accept_path(tree: DeviceTree, draws: torch.Tensor, max_depth: int) -> tuple[torch.Tensor, torch.Tensor]:
