@@ -162,6 +162,7 @@ def start_compiled_rounds(engine, loaded, mode: str, log=lambda line: print(f"[c
     if loaded.device != "cpu":
         compile_rounds(loaded.model, mode, log)
         engine.info.update(describe_forwards(loaded.model))
+        engine.describe_context()
         return
     spec = compile_spec(loaded)
     verdict = saved_verdict(spec.key())

@@ -10,6 +10,11 @@ which also loaded and warmed up the model, whichever Gradio worker thread asks f
 run OpenMP work, libgomp's thread teams outnumber the cores and stop spin-waiting, and every parallel product
 pays a wake-up (BENCHMARKS.md, "The app's first and second start").
 
+Context drafts (copies of earlier text offered beside the head's drafts, eagle/model/context_draft.py) are asked
+for per reply when its settings want them and they keep the reply on the runner it has without them
+(`context_drafts_served`): on eager forwards any tree shape runs, on compiled greedy rounds only once their own
+compiled round is in (idle_work.py).
+
 While no reply runs, the same thread does the idle work (`app/idle_work.py`: vanilla references, compiled rounds
 loaded and measured), one unit at a time, and child processes compile the rounds (`app/precompile.py`); they are
 stopped whenever a reply or a measurement runs, so neither shares the cores with them.
@@ -22,10 +27,12 @@ import queue
 import threading
 import time
 from concurrent.futures import Future
+from dataclasses import replace
 from typing import Iterator, Sequence
 
 from eagle.chat.templates import FittedPrompt, Turn, build_prompt, encode, fit_turns, resolve_kind
 from eagle.model.generate import Round
+from eagle.model.verify import SamplingParams, TokenPicker
 
 from .idle_work import Loading, VanillaReference, Wait
 
@@ -60,6 +67,7 @@ class Engine:
         self.describe = lambda model: {}  # the Model panel's lines that change with the path (cli.describe_forwards)
         self._waiting, self._waiting_lock = 0, threading.Lock()  # generations waiting for the model (they go first)
         self._pending: dict = {}  # job -> the line (or Wait) it announced last
+        self.describe_context()
 
     # prompts ---------------------------------------------------------------------------------------------
     def prompt_ids(self, turns: Sequence[Turn], system: str = "") -> list[int]:
@@ -189,10 +197,10 @@ class Engine:
                 self._waiting -= 1
 
     def rounds(self, ids: list[int], eagle: bool = True, temperature: float = 0.0, top_p: float = 0.0,
-               top_k: int = 0, max_new_tokens: int = 512) -> Iterator[Round]:  # fmt: skip
+               top_k: int = 0, max_new_tokens: int = 512, context_drafts: bool = False) -> Iterator[Round]:  # fmt: skip
         """The model's rounds for one generation, holding the model for the whole run."""
         with self._model("reply"):
-            stream = self.decode(ids, eagle, temperature, top_p, top_k, max_new_tokens)
+            stream = self.decode(ids, eagle, temperature, top_p, top_k, max_new_tokens, context_drafts)
             if self._calls is None or threading.current_thread() is self._server_thread:
                 try:
                     yield from stream
@@ -231,10 +239,40 @@ class Engine:
             done.result()
 
     def decode(self, ids: list[int], eagle: bool = True, temperature: float = 0.0, top_p: float = 0.0,
-               top_k: int = 0, max_new_tokens: int = 512) -> Iterator[Round]:  # fmt: skip
-        """The model's rounds, without taking the model (for work that holds it already)."""
-        return self.model.stream(ids, temperature=temperature, top_p=top_p, top_k=top_k,
-                                 max_new_tokens=max_new_tokens, max_length=self.max_length, eagle=eagle)  # fmt: skip
+               top_k: int = 0, max_new_tokens: int = 512, context_drafts: bool = False) -> Iterator[Round]:  # fmt: skip
+        """The model's rounds, without taking the model (for work that holds it already). context_drafts: wanted by
+        the reply's settings; asked of the model only where the rounds serve them (`context_drafts_served`)."""
+        context = context_drafts and eagle and self.context_drafts_served(temperature, top_p, top_k)
+        return self.model.stream(ids, temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=max_new_tokens,
+                                 max_length=self.max_length, eagle=eagle, context_drafts=context)  # fmt: skip
+
+    def context_drafts_served(self, temperature: float = 0.0, top_p: float = 0.0, top_k: int = 0) -> bool:
+        """Whether context drafts keep a reply with these sampling settings as fast as it is without them.
+
+        Eager forwards: always (the eager runners serve any tree). Compiled forwards: where the two-step runner for
+        the tree with a context chain is in (`context_rounds` brings it in after the two-step rounds); else never
+        for a greedy reply on CPU graphs (it would leave its compiled steps for the general loop), and for the
+        replies that run the general loop either way (sampling, static trees, CUDA graphs) only where the tree with
+        its chain still verifies in one of the forwards' graphs."""
+        model, compiled = self.model, self.model.base.compiled
+        if compiled is None:
+            return True
+        picker = TokenPicker(SamplingParams(float(temperature), float(top_p or 0.0), int(top_k or 0)))
+        chained = replace(model.tree, chain=model.context_chain)
+        if model.round_runner(chained, picker) is not None:
+            return True
+        if picker.params.greedy and not model.tree.choices and not hasattr(compiled, "lease"):
+            return False
+        return chained.max_nodes <= max(compiled.buckets)
+
+    def describe_context(self) -> None:
+        """The Model panel's line on context drafts (greedy replies), for the forwards in use now."""
+        where = "eager forwards" if self.model.base.compiled is None else "compiled rounds"
+        if self.context_drafts_served():
+            line = f"offered beside the head's drafts where they measure worth it ({where})"
+        else:
+            line = "off for greedy replies until their compiled round is in (they go without them meanwhile)"
+        self.info["context_drafts"] = line
 
     # idle work -----------------------------------------------------------------------------------------------
     def add_job(self, job: Iterator, first: bool = False) -> None:
@@ -290,6 +328,7 @@ class Engine:
     def compiled_in_use(self) -> None:
         """The compiled rounds are now the path (called by the idle work that put them in use)."""
         self.info.update(self.describe(self.model))
+        self.describe_context()
         self.status = "compiled rounds in use"
         self.child = None
 

@@ -2,9 +2,9 @@
 Regenerate, the side-by-side run and its race (played back, replayed), and the scripted `/chat` endpoint.
 
 Each browser session keeps its conversation in `gr.State` (plain text plus the character ranges that EAGLE
-drafted; the HTML is rendered from it on every update). Only the model is shared. The browser keeps a copy of
-the answered turns and the last figures (`saved_conversation`, in its local storage), which a reload of the
-page brings back (`restored_conversation`).
+drafted, by source: `highlight.Reply.marks`; the HTML is rendered from it on every update). Only the model is
+shared. The browser keeps a copy of the answered turns and the last figures (`saved_conversation`, in its local
+storage), which a reload of the page brings back (`restored_conversation`).
 
 (No `from __future__ import annotations` here: gr.api reads the /chat endpoint's types from real annotations.)
 """
@@ -17,11 +17,12 @@ from dataclasses import replace
 import gradio as gr
 
 from .highlight import render
+from .markdown_render import CONTEXT
 from .race import Race, parse_speed
 from .race import pane_html as race_pane_html
 from .race import status_html as race_status_html
 from .session import Settings, clean_text, compare, parse_history, respond
-from .stats import figures_html
+from .stats import figures_html, shares_text
 
 # At most 4 page updates per second while streaming: each update costs the page and the server a share of the
 # cores the model needs, whatever the reply's length (measured by `python -m app.speed_check`; BENCHMARKS.md,
@@ -75,9 +76,12 @@ def chat_messages(state: dict, highlight: bool = True) -> list[dict]:
     return msgs
 
 
-def _settings(temperature, top_p, top_k, max_new_tokens, eagle, highlight, time_vanilla, system_prompt) -> Settings:
+def _settings(temperature, top_p, top_k, max_new_tokens, eagle, highlight, time_vanilla, system_prompt,
+              context_drafts=None) -> Settings:  # fmt: skip
+    """The page's settings, in the order of ui.build's `settings` list (context_drafts None: the default, on)."""
     return Settings.parse(temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=max_new_tokens,
-                          eagle=eagle, highlight=highlight, time_vanilla=time_vanilla, system_prompt=system_prompt)  # fmt: skip
+                          eagle=eagle, highlight=highlight, time_vanilla=time_vanilla, system_prompt=system_prompt,
+                          context_drafts=context_drafts)  # fmt: skip
 
 
 class Throttle:
@@ -134,11 +138,12 @@ def _figures(figures) -> dict:
 
 
 def _marks(marks, length: int) -> list[list[int]]:
-    """The valid [start, end) ranges of `marks`: whole numbers, ascending, inside the text, not overlapping."""
+    """The valid marks of `marks` (`highlight.Reply.marks`): [start, end) ranges of whole numbers, ascending, inside
+    the text, not overlapping, each [start, end] (the head's drafts) or [start, end, CONTEXT] (context copies)."""
     out, pos = [], 0
     for m in marks if isinstance(marks, list) else ():
-        if (isinstance(m, list) and len(m) == 2 and all(type(x) is int for x in m)
-                and pos <= m[0] < m[1] <= length):  # fmt: skip
+        if (isinstance(m, list) and len(m) in (2, 3) and all(type(x) is int for x in m)
+                and m[2:] in ([], [CONTEXT]) and pos <= m[0] < m[1] <= length):  # fmt: skip
             out.append(m)
             pos = m[1]
     return out
@@ -320,22 +325,30 @@ def make_handlers(engine):
     def api_chat(
         message: str, system_prompt: str = "", temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
         max_new_tokens: int = 256, use_eagle: bool = True, time_vanilla: bool = False,
-        history: list[list[str]] | None = None,
+        history: list[list[str]] | None = None, context_drafts: bool = True,
     ) -> tuple[str, str, dict]:  # fmt: skip  (a generator: each item is one such tuple)
         """Answer `message` (after `history`, a list of [user, assistant] pairs) and stream the reply.
 
         Bad values never fail the call: each is replaced and named in figures["input_notices"] (out-of-range
         numbers, history items that are not [user, assistant] pairs); an empty message gives figures["notice"].
 
+        context_drafts (default on): copies of earlier text (the prompt or the reply so far) offered beside the
+        head's drafts, verified in the same base pass (the reply is the same either way); the engine offers them
+        where they measure worth it, and on compiled rounds once their compiled round is in.
+
         Yields (reply_html, reply_text, figures): reply_html is the reply as the page shows it, its markdown
         rendered and sanitised (the model's HTML shows as text), with the characters of the tokens that EAGLE
-        drafted and the base accepted in <span class="acc"> when use_eagle is on; figures holds tokens_per_s,
-        mean_accepted_tokens_per_forward, rounds, new_tokens, elapsed_s, stop, vanilla_tokens_per_s and speedup
-        (vanilla_source names the reference: this reply decoded again without EAGLE when time_vanilla is set, else
-        vanilla decoding on the same forwards timed while the app was idle, over this reply's length; none while
-        that is being timed), and forwards: what the reply ran on, "eager" or "compiled")."""
+        drafted and the base accepted highlighted when use_eagle is on: in <span class="acc"> where the head
+        drafted them, in <span class="ctx"> where they were copied from the context; figures holds tokens_per_s,
+        mean_accepted_tokens_per_forward, rounds, new_tokens, elapsed_s, stop, draft_tokens_accepted (all
+        accepted drafts), context_tokens_accepted (of those, context copies), share_from_base, share_from_head
+        and share_from_context (fractions of new_tokens, adding up to 1; None before any token),
+        vanilla_tokens_per_s and speedup (vanilla_source names the reference: this reply decoded again without
+        EAGLE when time_vanilla is set, else vanilla decoding on the same forwards timed while the app was idle,
+        over this reply's length; none while that is being timed), and forwards: what the reply ran on, "eager"
+        or "compiled")."""
         settings = Settings.parse(temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=max_new_tokens,
-                                  eagle=use_eagle, time_vanilla=time_vanilla,
+                                  eagle=use_eagle, time_vanilla=time_vanilla, context_drafts=context_drafts,
                                   system_prompt=system_prompt or engine.default_system)  # fmt: skip
         turns, history_notices = parse_history(history)
         settings = replace(settings, notices=settings.notices + tuple(history_notices))
@@ -365,6 +378,8 @@ def summary_html(s: dict, done: bool) -> str:
         parts.append(f"EAGLE {e:.2f} tokens/s")
     if s.get("mean_accepted_tokens_per_forward"):
         parts.append(f"{s['mean_accepted_tokens_per_forward']:.2f} tokens per base forward")
+    if shares := shares_text(s):
+        parts.append(f"EAGLE's tokens: {shares}")
     if "same_text" in s:
         parts.append("same text as vanilla: " + ("yes" if s["same_text"] else "no"))
     return f'<div class="eagle-summary">{" · ".join(parts)}</div>'

@@ -1,4 +1,4 @@
-"""Tokens -> text -> HTML, with the tokens that EAGLE drafted (and the base accepted) highlighted.
+"""Tokens -> text -> HTML, with the tokens that EAGLE drafted (and the base accepted) highlighted by source.
 
 `Detokenizer` turns a stream of token ids into text pieces incrementally: it decodes a short window of ids
 and diffs the text, so a character split over several byte tokens appears once it is complete, and
@@ -6,8 +6,10 @@ tokenizers that change a word's leading space with context (SentencePiece) come 
 
 `render` builds a reply's HTML, for the chat, the side-by-side panes and the `/chat` endpoint alike: the
 markdown rendered here (`app.markdown_render`: lists, bold, headings, code and tables as HTML, sanitised), with
-highlighting on the accepted characters in ``<span class="acc">``, on a single line (newlines as ``&#10;``) so
-that the chat's markdown renderer passes it through as one HTML block. The styles live in ``assets/app.css``.
+highlighting on the accepted characters, in ``<span class="acc">`` where the head drafted them and in
+``<span class="ctx">`` where they were copied from the context (context drafts), on a single line (newlines as
+``&#10;``) so that the chat's markdown renderer passes it through as one HTML block. The styles live in
+``assets/app.css``.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from __future__ import annotations
 import html
 import re
 
-from .markdown_render import markdown_html
+from .markdown_render import BASE, CONTEXT, HEAD, mark_source, markdown_html
 
 REPLACEMENT = "\ufffd"  # what decoding an incomplete UTF-8 sequence gives
 
@@ -47,31 +49,46 @@ class Detokenizer:
         return after[len(before) :]
 
 
+def token_sources(count: int, accepted: int, context: int = 0) -> list[int]:
+    """The source of each of a round's `count` tokens: the first `accepted` were drafted and accepted, the last
+    `context` of those copied from the context (`Round.context`), the rest the base's own."""
+    head = max(0, accepted - max(0, context))
+    return [HEAD if i < head else CONTEXT if i < accepted else BASE for i in range(count)]
+
+
 class Reply:
-    """The text of a reply so far and which characters came from accepted draft tokens."""
+    """The text of a reply so far and which characters came from accepted draft tokens, and from which source.
+
+    Invariant: `marks` are ascending, non-overlapping [start, end) ranges of one source each, [start, end] for the
+    head's drafts and [start, end, CONTEXT] for context copies; two adjacent ranges of one source are one range."""
 
     def __init__(self, tokenizer):
         self.detok = Detokenizer(tokenizer)
         self.text = ""
-        self.marks: list[list[int]] = []  # [start, end) character ranges drafted by EAGLE
+        self.marks: list[list[int]] = []
 
-    def add_round(self, tokens: list[int], accepted: int) -> None:
-        for i, token in enumerate(tokens):
+    def add_round(self, tokens: list[int], accepted: int, context: int = 0) -> None:
+        for token, source in zip(tokens, token_sources(len(tokens), accepted, context)):
             piece = self.detok.push(token)
-            if not piece:
-                continue
-            start, self.text = len(self.text), self.text + piece
-            if i < accepted:
-                if self.marks and self.marks[-1][1] == start:
-                    self.marks[-1][1] = len(self.text)
-                else:
-                    self.marks.append([start, len(self.text)])
+            if piece:
+                self._add(piece, source)
+
+    def _add(self, piece: str, source: int) -> None:
+        start, self.text = len(self.text), self.text + piece
+        if source == BASE:
+            return
+        last = self.marks[-1] if self.marks else None
+        if last is not None and last[1] == start and mark_source(last) == source:
+            last[1] = len(self.text)
+        else:
+            self.marks.append([start, len(self.text)] + ([CONTEXT] if source == CONTEXT else []))
 
 
 # ---------------------------------------------------------------------------------------------------------
 LEGEND_HTML = (
-    '<div class="eagle-legend"><span class="acc">highlighted</span> drafted by EAGLE and accepted by the base '
-    "model &nbsp;·&nbsp; plain: the base model's own token of each forward pass</div>"
+    '<div class="eagle-legend"><span class="acc">highlighted</span> drafted by EAGLE\'s head and accepted by the '
+    'base model &nbsp;·&nbsp; <span class="ctx">other shade</span>: copied from the context (the prompt or the '
+    "reply so far) and accepted &nbsp;·&nbsp; plain: the base model's own token of each forward pass</div>"
 )
 
 
@@ -99,8 +116,9 @@ PLAIN_LABELS_JS = r"""() => {
 
 def render(text: str, marks: list[list[int]], highlight: bool = True) -> str:
     """The assistant message: the reply's markdown rendered and sanitised here, with the accepted draft tokens
-    highlighted, or without highlights when `highlight` is off. Either way the model's text reaches the page
-    only through `markdown_html`, so HTML it writes shows as text and never loads or runs."""
+    highlighted by source (`marks` as `Reply.marks`), or without highlights when `highlight` is off. Either way the
+    model's text reaches the page only through `markdown_html`, so HTML it writes shows as text and never loads or
+    runs."""
     if not text:
         return '<div class="eagle-tokens"></div>'
     return markdown_html(text, marks if highlight else [])

@@ -1,5 +1,7 @@
 """Model work done while no reply runs: the vanilla reference of each path, and compiled rounds loaded, measured
-against eager ones and put in use.
+against eager ones and put in use; then the greedy round's steps for the tree in use (`two_step_rounds`), and the
+same round's shape with a context chain (`context_rounds`: context drafts on compiled rounds), each compiled by a
+child and brought in the same way.
 
 Work comes as jobs: generators whose every step is one unit of model work (seconds; a graph loaded from the cache
 takes up to a minute on a 2-core CPU). Each yields, before a unit, a line that says what the unit does (a `Loading`
@@ -246,38 +248,78 @@ def compiled_rounds(engine, child, spec, mode: str, log) -> Iterator[str | Loadi
         model.tree, model.tree_choice = tree
     engine.compiled_in_use()
     log("compiled rounds in use")
-    yield from two_step_rounds(engine, spec, log)
+    yield from compiled_round_steps(engine, spec, log)
+
+
+def compiled_round_steps(engine, spec, log) -> Iterator[str | Loading | Wait]:
+    """With compiled forwards in use: the round's two steps for the tree in use, then (only once they are in) the same
+    round with a context chain."""
+    if (yield from two_step_rounds(engine, spec, log)):
+        yield from context_rounds(engine, spec, log)
 
 
 def two_step_rounds(engine, spec, log) -> Iterator[str | Loading | Wait]:
     """With compiled forwards in use: the greedy round's draft and verify steps, one graph each for the tree in use
     (round_graphs.py), compiled by a child (the same low priority, stopped while the model works), loaded a graph a
-    unit and put in use. If they fail, rounds go on with the forwards' graphs, said in the log."""
+    unit and put in use. If they fail, rounds go on with the forwards' graphs, said in the log. Returns whether
+    they came in."""
+    came = yield from _round_steps(engine, spec, chain=0, log=log)
+    if came is True:
+        log("rounds in two compiled steps in use (draft, verify)")
+    elif came:
+        log(f"compiling the round's steps stopped ({came}); rounds go on with the forwards' graphs")
+    return came is True
+
+
+def context_rounds(engine, spec, log) -> Iterator[str | Loading | Wait]:
+    """After `two_step_rounds`: the same tree's round with a context chain (`model.context_chain` nodes: draft,
+    verify, and verify with a chain), compiled by a child and brought in the same way. Until it is in, replies on
+    compiled rounds go without context drafts (`Engine.context_drafts_served`), so that none leaves the compiled
+    graphs for them; if it fails they stay without, said in the log. Returns whether it came in."""
+    came = yield from _round_steps(engine, spec, chain=engine.model.context_chain, log=log)
+    if came is True:
+        engine.describe_context()
+        log("rounds with context drafts in compiled steps in use (draft, verify, verify with a chain)")
+    elif came:
+        log(f"compiling the round with context drafts stopped ({came}); replies on compiled rounds go without them")
+    return came is True
+
+
+def _round_steps(engine, spec, chain: int, log) -> Iterator[str | Loading | Wait]:
+    """The greedy round's compiled steps for the tree in use with a context chain of `chain` nodes (0: none): a child
+    compiles them (unless a manifest says they are in inductor's cache), they are loaded a graph a unit and put in
+    `model.compiled_rounds`. Returns True when they came in, the child's error (a string) when compiling failed,
+    None when there was nothing to do (a static tree, eager forwards or CUDA graphs) or the head or the tree changed
+    meanwhile."""
     from dataclasses import replace
 
-    from .precompile import ChildCompile, compiled_before, graph_name, round_graphs
+    from .precompile import ROUND_STEPS, ChildCompile, compiled_before, graph_name, round_graphs
 
     model, tree = engine.model, engine.model.tree
     if tree.choices or model.base.compiled is None or hasattr(model.base.compiled, "lease"):
-        return
-    spec = replace(spec, base_buckets=(), draft_buckets=(), round_tree=(tree.total_token, tree.depth, tree.top_k))
+        return None
+    spec = replace(spec, base_buckets=(), draft_buckets=(), round_tree=(tree.total_token, tree.depth, tree.top_k),
+                   round_chain=chain)  # fmt: skip
     child = None if compiled_before(spec) else ChildCompile(spec)
     engine.child = child
     head = model.ea_layer
-    rounds = round_graphs(model, head, spec.round_tree)
+    rounds = round_graphs(model, head, spec.round_tree, chain)
     try:
         for kind, nodes in spec.graphs():
-            yield from awaiting(child, graph_name(kind, nodes))
+            yield from awaiting(child, graph_name(kind, nodes, chain))
             if child is not None and child.error:
-                log(f"compiling the round's steps stopped ({child.error}); rounds go on with the forwards' graphs")
-                return
-            yield Loading(f"loading the compiled graphs: the round's {kind.removeprefix('round_')} step")
+                return child.error
+            yield Loading(f"loading the compiled graphs: the round's {ROUND_STEPS[kind]}"
+                          + (" (context drafts)" if chain else ""))  # fmt: skip
             step = kind.removeprefix("round_")
-            log(f"loaded the round's {step} step in {rounds.warm(steps=(step,))[step]:.1f} s")
+            log(f"loaded the round's {ROUND_STEPS[kind]} in {rounds.warm(steps=(step,))[step]:.1f} s")
         yield from awaiting(child)
     finally:
         engine.child = None
-    if model.ea_layer is head and model.tree == tree:
-        model.compiled_rounds[rounds.shape] = rounds
-        engine.info.update(engine.describe(model))
-        log("rounds in two compiled steps in use (draft, verify)")
+    if child is not None and child.error:
+        return child.error
+    if model.ea_layer is not head or model.tree != tree:
+        return None  # the head or the tree changed meanwhile: these graphs serve neither
+    model.compiled_rounds[rounds.shape] = rounds
+    engine.info.update(engine.describe(model))
+    return True

@@ -1,4 +1,4 @@
-"""A reply as rendered markdown, sanitised, with the characters of accepted draft tokens highlighted.
+"""A reply as rendered markdown, sanitised, with the characters of accepted draft tokens highlighted by source.
 
 Pipeline, each step linear in the length of the text it is given:
 
@@ -11,8 +11,9 @@ Pipeline, each step linear in the length of the text it is given:
    source characters finds each rendered one; each scan stays inside the lines of the block that the token
    came from, so a character the source spells differently (an entity such as ``&copy;``) costs at most
    that block and the alignment picks up again at the next block.
-3. The renderer writes every text, inline code and code block with its runs of accepted characters in
-   ``<span class="acc">`` (the token view's class: same look, same legend); whitespace-only runs stay plain.
+3. The renderer writes every text, inline code and code block with its runs of accepted characters in a
+   span of their source's class: ``<span class="acc">`` for the head's drafts, ``<span class="ctx">`` for
+   context copies (a run ends where the source changes); whitespace-only runs stay plain.
 4. nh3 keeps only the tags and attributes that this renderer writes: the second wall after markdown-it's
    escaping, so no HTML or script from a reply ever becomes an element.
 5. The block goes on one line: newlines inside ``<pre>`` become ``&#10;``, the others (between tags) go.
@@ -34,7 +35,11 @@ import nh3
 from markdown_it import MarkdownIt
 from markdown_it.common.utils import escapeHtml, unescapeAll
 
-ACC_OPEN, ACC_CLOSE = '<span class="acc">', "</span>"
+# Where a reply's character came from, one byte per character ("flags"): the base's own token, a draft of the
+# head accepted, or a context copy (an earlier stretch of the prompt or reply, eagle/model/context_draft.py) accepted.
+BASE, HEAD, CONTEXT = 0, 1, 2
+SOURCE_CLASS = {HEAD: "acc", CONTEXT: "ctx"}  # the span class of each accepted source (styles: assets/app.css)
+SPAN_CLOSE = "</span>"
 ANCHOR = 8  # rendered characters looked up together, to step over syntax that repeats the text's first one
 ANCHOR_SLACK = 8  # how much further the anchored match may lie: the longest syntax before text ("###### ")
 
@@ -43,7 +48,7 @@ MIN_PIECE = 512  # characters at least in a piece (but the last): fewer pieces c
 NEWLINE = re.compile(r"\r\n?|\n")  # markdown-it's own line split
 SPACES = re.compile(r"\s+")
 WORD = re.compile(r"[^\W_]")  # a letter or a digit
-ACCEPTED_RUN = re.compile(rb"\x01+")
+ACCEPTED_RUN = re.compile(rb"\x01+|\x02+")  # a run of one accepted source
 PRE = re.compile(r"(<pre\b.*?</pre>)", re.DOTALL)  # markdown never nests <pre>; "<" in code text is "&lt;"
 BLANK_THEN_TEXT = re.compile(r"\n[ \t]*\n(?=\S)")  # ends where a line follows a blank one at column 0
 LIST_MARKER = re.compile(r"(?:[-+*]|\d{1,9}[.)])(?:[ \t\r\n]|$)")  # how a list item's line starts
@@ -65,7 +70,7 @@ class Aligner:
     rendered character that the source spells differently, one scan to the end of its block)."""
 
     def __init__(self, source: str, accepted: bytes):
-        self.source, self.accepted = source, accepted  # accepted: 1 byte per source character (0 or 1)
+        self.source, self.accepted = source, accepted  # accepted: 1 byte per source character (BASE, HEAD, CONTEXT)
         self.line_starts = [0, *(m.end() for m in NEWLINE.finditer(source))]
         self.pos, self.end = 0, len(source)
 
@@ -82,7 +87,8 @@ class Aligner:
         return self.line_starts[line] if line < len(self.line_starts) else len(self.source)
 
     def flags(self, text: str) -> bytes:
-        """One byte per character of rendered `text`: 1 where it came from an accepted source character."""
+        """One byte per character of rendered `text`: the flag of the source character it came from (BASE where it
+        has none)."""
         out = bytearray(len(text))
         i = 0
         while i < len(text):
@@ -141,14 +147,15 @@ class Aligner:
 
 
 def marked_html(text: str, flags: bytes) -> str:
-    """Escaped `text` with its runs of accepted characters (flags 1) in the highlight span, except runs
-    of whitespace alone (a highlighted space or newline shows as an empty orange block)."""
+    """Escaped `text` with each run of characters of one accepted source (flags HEAD or CONTEXT) in that source's
+    span, except runs of whitespace alone (a highlighted space or newline shows as an empty coloured block)."""
     out, pos = [], 0
     for run in ACCEPTED_RUN.finditer(flags):
         a, b = run.span()
         if text[a:b].isspace():
             continue
-        out += [escapeHtml(text[pos:a]), ACC_OPEN, escapeHtml(text[a:b]), ACC_CLOSE]
+        opening = f'<span class="{SOURCE_CLASS[flags[a]]}">'
+        out += [escapeHtml(text[pos:a]), opening, escapeHtml(text[a:b]), SPAN_CLOSE]
         pos = b
     out.append(escapeHtml(text[pos:]))
     return "".join(out)
@@ -344,17 +351,24 @@ def _list_goes_on(text: str, item: int, cut: int) -> bool:
     return continues_list(text[item : line_end.start() if line_end else None])
 
 
+def mark_source(mark) -> int:
+    """The source of a mark: CONTEXT for [start, end, CONTEXT], else HEAD ([start, end]: a draft of the head)."""
+    return CONTEXT if len(mark) > 2 and mark[2] == CONTEXT else HEAD
+
+
 def accepted_bytes(length: int, marks: list[list[int]]) -> bytes:
-    """1 byte per character of a `length`-character reply: 1 inside the [start, end) ranges of `marks`."""
+    """1 byte per character of a `length`-character reply: each mark's source (`mark_source`) inside its
+    [start, end) range, BASE elsewhere."""
     out = bytearray(length)
-    for a, b in marks:
-        b = min(b, length)
-        out[a:b] = b"\x01" * max(0, b - a)
+    for mark in marks:
+        a, b = mark[0], min(mark[1], length)
+        out[a:b] = bytes([mark_source(mark)]) * max(0, b - a)
     return bytes(out)
 
 
 def markdown_html(text: str, marks: list[list[int]]) -> str:
-    """The reply as one line of sanitised HTML: markdown rendered, accepted draft characters highlighted.
+    """The reply as one line of sanitised HTML: markdown rendered, accepted draft characters highlighted by their
+    source (marks: [start, end] for the head's drafts, [start, end, CONTEXT] for context copies).
 
     While a reply streams, only its last piece (from its last cut point on) is new: the others come from
     the cache, so a round costs the new piece plus a linear pass of regular expressions and hashes."""

@@ -43,9 +43,14 @@ class CompileSpec:
     extra: dict = field(default_factory=dict)  # from_pretrained keywords of the app's load (gguf_file, ...)
     # (total_token, depth, top_k): the greedy round's draft and verify steps for this tree (round_graphs.py)
     round_tree: tuple[int, int, int] | None = None
+    # M > 0: the round's shape with a context chain of M nodes (context drafts), and its third step: verify with one
+    round_chain: int = 0
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self), sort_keys=True)
+        d = asdict(self)
+        if not d["round_chain"]:
+            del d["round_chain"]  # a spec without a chain keeps the key (and the manifest) it had before chains
+        return json.dumps(d, sort_keys=True)
 
     @classmethod
     def from_json(cls, text: str) -> "CompileSpec":
@@ -57,14 +62,15 @@ class CompileSpec:
         return cls(**d)
 
     def graphs(self) -> list[tuple[str, int]]:
-        """("base" | "draft", rows), then ("round_draft" | "round_verify", tree nodes), in the order they are
-        compiled and loaded."""
+        """("base" | "draft", rows), then ("round_verify" | "round_verify_chain" | "round_draft", the head's tree
+        nodes), in the order they are compiled and loaded (round_verify_chain with a `round_chain` only)."""
         from eagle.model.round_steps import TreeShape
 
         rounds = []
         if self.round_tree is not None:
             nodes = TreeShape.of(*self.round_tree).nodes
-            rounds = [("round_verify", nodes), ("round_draft", nodes)]
+            chain = [("round_verify_chain", nodes)] if self.round_chain else []
+            rounds = [("round_verify", nodes), *chain, ("round_draft", nodes)]
         return [("base", r) for r in self.base_buckets] + [("draft", r) for r in self.draft_buckets] + rounds
 
     def key(self) -> str:
@@ -189,9 +195,15 @@ class ChildCompile:
                 f"{elapsed // 60:.0f}:{elapsed % 60:02.0f} elapsed{state}")  # fmt: skip
 
 
-def graph_name(kind: str, rows: int) -> str:
-    if kind.startswith("round_"):
-        return f"{rows}-node round's {kind.removeprefix('round_')} step"
+ROUND_STEPS = {"round_draft": "draft step", "round_verify": "verify step",
+               "round_verify_chain": "verify step with a context chain"}  # fmt: skip
+
+
+def graph_name(kind: str, rows: int, chain: int = 0) -> str:
+    """A graph as the log and the Model panel name it; `chain`: the round's context chain (0: none)."""
+    if kind in ROUND_STEPS:
+        shape = f" (with context drafts of {chain})" if chain else ""
+        return f"{rows}-node round's {ROUND_STEPS[kind]}{shape}"
     return f"{rows}-row {'base forward' if kind == 'base' else 'draft step'}"
 
 
@@ -248,7 +260,7 @@ def compile_graphs(spec: CompileSpec, share: list[tuple[str, int]], on_graph=lam
     head = load_compiled_head(model.base_model, spec.head_path, getattr(torch, spec.draft_dtype))
     base_graphs = runners.decode_graphs(model.base, spec.base_buckets)
     draft_graphs = model.compile_draft(spec.draft_buckets, head=head)
-    rounds = round_graphs(model, head, spec.round_tree) if spec.round_tree is not None else None
+    rounds = round_graphs(model, head, spec.round_tree, spec.round_chain) if spec.round_tree is not None else None
     for kind, rows in share:
         if kind.startswith("round_"):
             seconds = rounds.warm(steps=(kind.removeprefix("round_"),))[kind.removeprefix("round_")]
@@ -257,14 +269,15 @@ def compile_graphs(spec: CompileSpec, share: list[tuple[str, int]], on_graph=lam
         on_graph(kind, rows, seconds)
 
 
-def round_graphs(model, head, tree: tuple[int, int, int]):
+def round_graphs(model, head, tree: tuple[int, int, int], chain: int = 0):
     """The CompiledRound of `model`'s base (its graphs' kernels set: runners.decode_graphs) and `head` for a tree
-    (total_token, depth, top_k), not yet compiled."""
+    (total_token, depth, top_k) with a context chain of `chain` nodes (0: none), not yet compiled."""
     from eagle.model import runners
     from eagle.model.draft import HeadStep
     from eagle.model.round_steps import TreeShape
 
-    return runners.round_graphs(model.base, HeadStep(head, model.base.lm_head), TreeShape.of(*tree))
+    shape = TreeShape.of(*tree).with_chain(chain)
+    return runners.round_graphs(model.base, HeadStep(head, model.base.lm_head), shape)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -277,7 +290,7 @@ def main(argv: list[str] | None = None) -> None:
 
     def on_graph(kind: str, rows: int, seconds: float) -> None:
         done.append(rows)
-        _emit(event="compiled", graph=graph_name(kind, rows), done=len(done), total=len(share),
+        _emit(event="compiled", graph=graph_name(kind, rows, spec.round_chain), done=len(done), total=len(share),
               seconds=round(seconds, 1))  # fmt: skip
 
     try:

@@ -39,7 +39,7 @@ class Lane:
     """One finished run: its reply and when each part of it was produced."""
 
     text: str
-    marks: list  # [start, end) character ranges drafted by EAGLE (empty for vanilla)
+    marks: list  # [start, end) character ranges drafted by EAGLE, by source (highlight.Reply.marks; vanilla: none)
     timeline: list  # [[t, chars, tokens]] per round, t and chars non-decreasing; last: [elapsed, len(text), new tokens]
     tokens_per_s: float  # the run's figure (new tokens / elapsed)
 
@@ -120,7 +120,7 @@ class Race:
 def pane_html(lane: Lane, s: LaneState) -> str:
     """A lane at one moment: the reply so far (rendered and sanitised, draft tokens highlighted), then its
     running counter."""
-    marks = [[a, min(b, s.chars)] for a, b in lane.marks if a < s.chars]
+    marks = [[a, min(b, s.chars), *source] for a, b, *source in lane.marks if a < s.chars]  # a source kept
     tps = "–" if s.tokens_per_s is None else f"{s.tokens_per_s:.1f}"
     state = "finished" if s.done else ("racing…" if s.tokens else "")
     counter = (f'<div class="race-counter{" done" if s.done else ""}"><b>{tps}</b> tokens/s · {s.tokens} tokens · '

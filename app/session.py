@@ -16,7 +16,7 @@ from eagle.chat.templates import PromptTooLong, Turn
 from eagle.model.generate import Round
 
 from .highlight import Reply, render
-from .stats import RunStats, with_vanilla
+from .stats import SHARES, RunStats, with_vanilla
 
 MAX_NEW_TOKENS_LIMIT = 4096
 RERUN_SOURCE = "this reply decoded again without EAGLE (same prompt, length and forwards), timed on its own"
@@ -33,6 +33,7 @@ class Settings:
     system_prompt: str = ""
     highlight: bool = True
     time_vanilla: bool = False
+    context_drafts: bool = True  # copies of earlier text beside the head's drafts (where the engine serves them)
     notices: tuple[str, ...] = field(default=(), compare=False)  # what `parse` had to change, said to the user
 
     @classmethod
@@ -73,6 +74,7 @@ class Settings:
             system_prompt=clean_text(system) if isinstance(system, str) else d.system_prompt,
             highlight=flag("highlight"),
             time_vanilla=flag("time_vanilla"),
+            context_drafts=flag("context_drafts"),
             notices=tuple(notices),
         )  # fmt: skip
 
@@ -184,9 +186,10 @@ def respond(engine, message: str, turns: Sequence[Turn], settings: Settings,
         if stop():  # stopped before it began (while waiting in the queue)
             stats.stop = "stopped"
         for r in _run(engine, fit.ids, stop, eagle=settings.eagle, max_new_tokens=settings.max_new_tokens,
+                      context_drafts=settings.context_drafts,
                       **_sampling(settings)) if not stats.stop else ():  # fmt: skip
             path = path or engine.path
-            reply.add_round(r.tokens, r.accepted)
+            reply.add_round(r.tokens, r.accepted, r.context)
             stats.add(r)
             yield update()
         if not stats.stop:
@@ -294,7 +297,8 @@ def summary(c: Comparison, greedy: bool = False) -> dict:
         v = None  # compiled rounds came in between the two runs: not a fair pair
     out = {"vanilla_tokens_per_s": v, "eagle_tokens_per_s": e,
            "speedup": round(e / v, 2) if v and e and not c.eagle.running else None,
-           "mean_accepted_tokens_per_forward": c.eagle.figures.get("mean_accepted_tokens_per_forward")}  # fmt: skip
+           "mean_accepted_tokens_per_forward": c.eagle.figures.get("mean_accepted_tokens_per_forward"),
+           **{k: c.eagle.figures.get(k) for k in SHARES}}  # fmt: skip
     if greedy and c.vanilla.text and c.eagle.text:
         out["same_text"] = c.vanilla.text == c.eagle.text
     return out

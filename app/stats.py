@@ -5,7 +5,9 @@ Definitions (also shown on the page):
   (prefill included; the time the page spends rendering between rounds is not);
 - mean accepted tokens per base forward = new tokens / rounds (one round = one forward pass of the base
   model; vanilla decoding gives exactly 1);
-- speedup = EAGLE tokens/s / vanilla tokens/s, each decoder timed on its own.
+- speedup = EAGLE tokens/s / vanilla tokens/s, each decoder timed on its own;
+- shares of the new tokens by source: the base's own token of each forward, drafts of the head accepted, context
+  copies accepted (context drafts: earlier text offered beside the head's drafts); they add up to 1.
 """
 
 from __future__ import annotations
@@ -21,12 +23,16 @@ STOP_WORDS = {
 }  # fmt: skip
 
 
+SHARES = ("share_from_base", "share_from_head", "share_from_context")  # the figures' keys of the shares by source
+
+
 @dataclass
 class RunStats:
     eagle: bool = True
     new_tokens: int = 0
     rounds: int = 0
-    accepted: int = 0  # draft tokens accepted, over all rounds
+    accepted: int = 0  # draft tokens accepted, over all rounds (the head's and context copies)
+    context: int = 0  # of those, context copies
     seconds: float = 0.0
     first_round_s: float = 0.0  # the prefill's round: the same base pass whichever the decoder
     stop: str | None = None
@@ -37,6 +43,7 @@ class RunStats:
         self.new_tokens += len(r.tokens)
         self.rounds += 1
         self.accepted += r.accepted
+        self.context += r.context
         self.seconds += r.seconds
         self.stop = r.stop or self.stop
 
@@ -48,6 +55,14 @@ class RunStats:
     def mean_accepted(self) -> float:
         return self.new_tokens / self.rounds if self.rounds else 0.0
 
+    def shares(self) -> dict[str, float | None]:
+        """The new tokens' shares by source (base, head, context: they add up to 1); None before any token."""
+        n = self.new_tokens
+        if not n:
+            return dict.fromkeys(SHARES)
+        counts = (n - self.accepted, self.accepted - self.context, self.context)
+        return {k: round(c / n, 4) for k, c in zip(SHARES, counts)}
+
     def as_dict(self) -> dict:
         return {
             "mode": "eagle" if self.eagle else "vanilla",
@@ -56,6 +71,8 @@ class RunStats:
             "rounds": self.rounds,
             "new_tokens": self.new_tokens,
             "draft_tokens_accepted": self.accepted,
+            "context_tokens_accepted": self.context,
+            **self.shares(),
             "elapsed_s": round(self.seconds, 3),
             "stop": self.stop,
         }
@@ -75,6 +92,29 @@ def with_vanilla(figures: dict, vanilla_tps: float | None, source: str | None) -
 # ---------------------------------------------------------------------------------------------------------
 def _num(v, fmt="{:.2f}", unit=""):
     return "–" if v is None else fmt.format(v) + unit
+
+
+def _percent(share) -> str | None:
+    return f"{100 * share:.0f}%" if isinstance(share, (int, float)) and not isinstance(share, bool) else None
+
+
+def shares_text(fig: dict) -> str:
+    """The new tokens by source in words ("62% base, 28% head drafts, 10% context copies"), or "" when `fig` has no
+    shares."""
+    parts = [_percent(fig.get(k)) for k in SHARES]
+    if None in parts:
+        return ""
+    return f"{parts[0]} base, {parts[1]} head drafts, {parts[2]} context copies"
+
+
+def shares_html(fig: dict) -> str:
+    """`shares_text` with each accepted source in its highlight's shade (the legend's), or "" without shares."""
+    parts = [_percent(fig.get(k)) for k in SHARES]
+    if None in parts or fig.get("mode") != "eagle":
+        return ""
+    head = f'<span class="acc">{parts[1]} head drafts</span>'
+    context = f'<span class="ctx">{parts[2]} context copies</span>'
+    return f'<div class="fig-shares">new tokens: {parts[0]} base · {head} · {context}</div>'
 
 
 def figures_html(fig: dict | None, running: bool = False) -> str:
@@ -104,6 +144,7 @@ def figures_html(fig: dict | None, running: bool = False) -> str:
         f'<div class="fig-speedup{" slower" if speedup < 1 else ""}">speedup {_num(speedup, "{:.2f}", "×")}</div>'
         if speedup else "",
         f"<table>{body}</table>",
+        shares_html(fig),
         f'<div class="fig-note">vanilla: {html.escape(source)}</div>' if source else "",
         f'<div class="fig-notice">{html.escape(notice)}</div>' if notice else "",
         "</div>",

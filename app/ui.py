@@ -37,7 +37,9 @@ RACE_NOTE = (
 )
 FIGURES_NOTE = (
     "Tokens/s = new tokens ÷ decoding time. Mean accepted tokens / base forward = new tokens ÷ rounds "
-    "(1.0 for vanilla). The vanilla figure comes from the source named under the table; speedup = EAGLE ÷ vanilla."
+    "(1.0 for vanilla). The vanilla figure comes from the source named under the table; speedup = EAGLE ÷ vanilla. "
+    "New tokens by source: the base's own token of each forward, the head's drafts accepted, and context copies "
+    "accepted (earlier text offered beside the head's drafts)."
 )
 
 
@@ -73,6 +75,7 @@ def model_info_md(engine) -> str:
     reference = engine.reference()
     rows = [("model type", i.get("model_type")), ("base", i.get("base")), ("head", i.get("head")),
             ("draft", i.get("draft")), ("tree", i.get("tree")), ("forwards", i.get("forwards")),
+            ("context drafts", i.get("context_drafts")),
             ("in the background", engine.status if engine.jobs or engine.child else None),
             ("EAGLE replies", engine.reply_figures()),
             ("vanilla reference", f"{1 / reference.step_s:.1f} tokens/s after the prefill ({reference.source})"
@@ -153,6 +156,9 @@ def build(engine, max_new_tokens: int = 512, title: str = "EAGLE speculative dec
                                             elem_id="highlight")  # fmt: skip
                     time_vanilla = gr.Checkbox(False, label="Time vanilla too (decodes each reply again without "
                                                "EAGLE, for the speedup figure)")  # fmt: skip
+                    context_drafts = gr.Checkbox(True, label="Context drafts (copies of earlier text offered beside "
+                                                 "the head's drafts; same reply either way)",
+                                                 elem_id="context_drafts")  # fmt: skip
                     temperature = gr.Slider(0.0, 2.0, 0.0, step=0.05, label="temperature (0 = greedy)")
                     top_p = gr.Slider(0.0, 1.0, 1.0, step=0.01, label="top-p (1 = off)")
                     top_k = gr.Slider(0, 200, 0, step=1, label="top-k (0 = off)")
@@ -164,7 +170,8 @@ def build(engine, max_new_tokens: int = 512, title: str = "EAGLE speculative dec
                     model_md = gr.Markdown(model_info_md(engine))
                     model_timer = gr.Timer(MODEL_PANEL_EVERY_S)  # progress of the work done while idle
 
-        settings = [temperature, top_p, top_k, max_new, eagle, highlight, time_vanilla, system]
+        # in handlers._settings' order (the page's own events take them all; /chat takes keywords with defaults)
+        settings = [temperature, top_p, top_k, max_new, eagle, highlight, time_vanilla, system, context_drafts]
         # The page's own events are callable by clients ("undocumented") so that tests can drive a real
         # session; the documented scripting endpoint is /chat below. Stop, Clear and Regenerate bump the
         # session's epoch instead of cancelling Gradio events: the running generator ends at its next round.

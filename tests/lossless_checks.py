@@ -73,12 +73,13 @@ def exact_pair_distribution(model, params: SamplingParams) -> torch.Tensor:
     return (p1[:, None, None] * p2[:, :, None] * p3).sum(0)  # [x2, x3]
 
 
-def sample_pairs(model, params: SamplingParams, n: int, seed: int) -> torch.Tensor:
+def sample_pairs(model, params: SamplingParams, n: int, seed: int, **kw) -> torch.Tensor:
+    """kw: more keywords of eagenerate (e.g. context_drafts)."""
     torch.manual_seed(seed)
     counts, forwards = torch.zeros(VOCAB, VOCAB), 0
     for _ in range(n):
         out, _, rounds = model.eagenerate(torch.tensor([PROMPT]), params.temperature, params.top_p, params.top_k,
-                                          max_new_tokens=3, stop_token_ids=[], log=True)  # fmt: skip
+                                          max_new_tokens=3, stop_token_ids=[], log=True, **kw)  # fmt: skip
         x2, x3 = out[0, len(PROMPT) + 1 :].tolist()
         counts[x2, x3] += 1
         forwards += rounds + 1
@@ -98,9 +99,10 @@ def chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:
     return float(torch.special.gammaincc(torch.tensor(dof / 2.0), stat / 2))
 
 
-def assert_follows_base_distribution(model, params):
+def assert_follows_base_distribution(model, params, **kw):
+    """kw: more keywords of eagenerate (e.g. context_drafts)."""
     probs = exact_pair_distribution(model, params)
-    counts = sample_pairs(model, params, n=1500, seed=0)
+    counts = sample_pairs(model, params, n=1500, seed=0, **kw)
     n = counts.sum()
     tv = 0.5 * (counts / n - probs).abs().sum()
     # Total variation that sampling noise alone gives on average: 1/2 sum_i E|p_hat_i - p_i|.

@@ -79,15 +79,20 @@ def test_children_compile_only_while_the_model_is_idle_and_the_graphs_change_no_
     assert child.ok, child.error
     assert engine.path == "compiled" and model.compiled_draft is not None, engine.status
     assert engine.reference("compiled").step_s > 0 and "compiled rounds in use" in lines
-    # then a child compiles the greedy round's two steps for the tree in use, and they come in
-    assert lines[-1] == "rounds in two compiled steps in use (draft, verify)", lines
+    # then a child compiles the greedy round's two steps for the tree in use, and they come in; then the same round
+    # with a context chain, and only then do replies on compiled rounds ask for context drafts
+    two_steps = lines.index("rounds in two compiled steps in use (draft, verify)")
+    assert lines[-1] == "rounds with context drafts in compiled steps in use (draft, verify, verify with a chain)"
+    assert any("verify step with a context chain" in line for line in lines[two_steps:]), lines
     assert isinstance(model.round_runner(model.tree, TokenPicker(SamplingParams())), CompiledRound)
+    assert engine.context_drafts_served()
     assert "greedy rounds in two compiled steps" in forwards_description(model)
     assert tokens(engine, ids) == reference and tokens(engine, ids, eagle=False) == vanilla
+    assert tokens(engine, ids, context_drafts=True) == reference  # lossless on the compiled context round too
     assert compiled_before(spec)  # a second start loads the graphs without compiling
     tree = model.tree
-    assert compiled_before(replace(spec, base_buckets=(), draft_buckets=(),
-                                   round_tree=(tree.total_token, tree.depth, tree.top_k)))  # fmt: skip
+    rounds = replace(spec, base_buckets=(), draft_buckets=(), round_tree=(tree.total_token, tree.depth, tree.top_k))
+    assert compiled_before(rounds) and compiled_before(replace(rounds, round_chain=model.context_chain))
     # and measures no verdict again, unless this one was taken while another process used the CPU
     busy = any("another process used the CPU" in line for line in lines)
     assert saved_verdict(spec.key()) is not None or busy, lines

@@ -15,7 +15,7 @@ from app.highlight import plain_text
 # gradio's queue statistics use pandas options that pandas 3 deprecates: not ours to fix
 pytestmark = pytest.mark.filterwarnings("ignore:.*no_silent_downcasting", "ignore:The copy keyword")
 SETTINGS = dict(temperature=0.0, top_p=1.0, top_k=0, max_new_tokens=16, eagle=True, highlight=True,
-                time_vanilla=False, system_prompt="")  # fmt: skip
+                time_vanilla=False, system_prompt="", context_drafts=True)  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -32,8 +32,7 @@ def client(demo) -> Client:
 
 def respond(c: Client, **over):
     s = {**SETTINGS, **over}
-    args = [s[k] for k in ("temperature", "top_p", "top_k", "max_new_tokens", "eagle", "highlight",
-                           "time_vanilla", "system_prompt")]  # fmt: skip
+    args = list(s.values())  # the page's settings in their order (ui.build's `settings`)
     return c.submit(*args, api_name="/respond")
 
 
@@ -73,6 +72,11 @@ def test_chat_endpoint_is_documented_and_streams(app):
     assert fig2["mode"] == "vanilla" and 'class="acc"' not in html2
     _, _, fig3 = c.predict("w10", time_vanilla=True, max_new_tokens=8, history=[["w3", "w4 w5"]], api_name="/chat")
     assert fig3["speedup"] > 0 and fig3["vanilla_tokens_per_s"] > 0
+    # context drafts: an optional keyword (after history), the shares by source in the figures
+    assert params[-1] == "context_drafts"
+    html4, text4, fig4 = c.predict("w7 w8 w9", max_new_tokens=24, context_drafts=False, api_name="/chat")
+    assert text4 == text and fig4["share_from_context"] == 0.0 and 'class="ctx"' not in html4
+    assert sum(figures[k] for k in ("share_from_base", "share_from_head", "share_from_context")) == pytest.approx(1)
 
 
 def test_bad_values_through_the_api_are_named_not_silently_used(app):
@@ -286,8 +290,7 @@ def test_eight_concurrent_sessions_get_their_own_replies(app):
 def test_side_by_side_endpoint(app):
     engine, demo = app
     c = client(demo)
-    args = [SETTINGS[k] for k in ("temperature", "top_p", "top_k", "max_new_tokens", "eagle", "highlight",
-                                  "time_vanilla", "system_prompt")]  # fmt: skip
+    args = list(SETTINGS.values())
     c.predict(api_name="/start_compare")
     v_html, v_fig, e_html, e_fig, summary, figures = c.predict("w15 w16", *args, api_name="/compare")
     assert plain_text(v_html) == plain_text(e_html) == greedy_reply(engine, [("w15 w16", None)], 16)
@@ -301,8 +304,7 @@ def test_side_by_side_endpoint(app):
 def test_side_by_side_race_plays_and_replays_without_the_model(app, monkeypatch):
     engine, demo = app
     c = client(demo)
-    args = [SETTINGS[k] for k in ("temperature", "top_p", "top_k", "max_new_tokens", "eagle", "highlight",
-                                  "time_vanilla", "system_prompt")]  # fmt: skip
+    args = list(SETTINGS.values())
     c.predict(1.0, api_name="/replay")  # nothing to replay yet: a toast, no frames, no error
     c.predict(api_name="/start_compare")
     v_html, _, e_html, _, summary, _ = c.predict("w18 w19", *args, api_name="/compare")

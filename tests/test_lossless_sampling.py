@@ -4,6 +4,7 @@ import pytest
 import torch
 from lossless_checks import (
     P_VALUE,
+    PROMPT,
     VOCAB,
     assert_follows_base_distribution,
     chi_square_p_value,
@@ -15,6 +16,7 @@ from tiny import random_draft, tiny_base
 
 import eagle.model.generate as generate
 from eagle.model.checkpoint import read_checkpoint
+from eagle.model.context_draft import ContextStats
 from eagle.model.tree import TreeDraft
 from eagle.model.verify import SamplingParams
 
@@ -64,6 +66,16 @@ def test_sampling_on_the_static_tree_follows_the_base_distribution(checkpoint):
     model = make_model(checkpoint, tree_choices=[[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0]])
     assert model.tree.choices is not None
     assert_follows_base_distribution(model, SamplingParams(0.8, top_k=5))
+
+
+def test_sampling_with_context_drafts_follows_the_base_distribution(checkpoint):
+    model = make_model(checkpoint)
+    model.context_stats = ContextStats(always=True)  # a chain wherever the text so far has a match
+    assert_follows_base_distribution(model, SamplingParams(1.0), context_drafts=True)
+    torch.manual_seed(1)
+    copies = sum(r.context for _ in range(200) for r in model.stream(
+        torch.tensor([PROMPT]), temperature=1.0, max_new_tokens=16, stop_token_ids=[], context_drafts=True))
+    assert copies >= 20, "context drafts were hardly accepted: the distribution check saw little of them"
 
 
 def test_the_distribution_check_catches_a_lossy_verifier(model, monkeypatch):

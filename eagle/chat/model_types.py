@@ -246,7 +246,7 @@ def forwards_description(model) -> str:
     shapes = [s for s, r in model.compiled_rounds.items() if r.step.head is model.ea_layer] if compiled else []
     if shapes:
         text += "; greedy rounds in two compiled steps (draft, verify) for trees of " + ", ".join(
-            f"{s.nodes} nodes" for s in shapes)
+            f"{s.nodes} nodes" + (f" (+ a context chain of {s.chain})" if s.chain else "") for s in shapes)
     plan = few_rows.plan_of(model.base_model)
     if plan:
         kernels = {}

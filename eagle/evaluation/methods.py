@@ -5,6 +5,7 @@
 - hf_assisted   the same with a small assistant model (`assistant_model`)
 - vanilla       our `naivegenerate`: one token per base forward, on the engine's own code and cache
 - eagle         the loaded head with the EAGLE-2 dynamic tree (total_token, depth, top_k)
+- eagle_ctx     the same, with context drafts (copies of earlier text) in the same tree where they measure worth it
 - eagle_static  the same head with EAGLE-1's static tree (MC_SIM_7B_63)
 - llama_cpp     llama.cpp (llama-cpp-python, an optional extra) on the base as GGUF F32, greedy; llama_cpp_f16 and
                 llama_cpp_q4_1 on F16 and Q4_1 files: other precisions (eagle/evaluation/llamacpp.py)
@@ -24,7 +25,7 @@ import torch
 from eagle.model.timing import timed
 
 LLAMA_CPP_METHODS = ("llama_cpp", "llama_cpp_f16", "llama_cpp_q4_1")  # not in DEFAULT_METHODS: an optional extra
-METHODS = ("hf", "hf_pld", "hf_assisted", "vanilla", "eagle", "eagle_static", *LLAMA_CPP_METHODS)
+METHODS = ("hf", "hf_pld", "hf_assisted", "vanilla", "eagle", "eagle_ctx", "eagle_static", *LLAMA_CPP_METHODS)
 DEFAULT_METHODS = ("hf", "hf_pld", "vanilla", "eagle", "eagle_static")
 HF_METHODS = ("hf", "hf_pld", "hf_assisted")
 
@@ -34,6 +35,8 @@ class Output:
     tokens: list[int]  # the new token ids (stop token included)
     seconds: float
     forwards: int | None  # base forward passes, prefill included; None where the method does not report them
+    drafted: int | None = None  # of the tokens, those drafted and accepted (our engine only)
+    copied: int | None = None  # of those, context drafts (copies of earlier text)
 
 
 @dataclass(frozen=True)
@@ -81,18 +84,19 @@ def hf_runner(model, settings: Settings, assistant: dict | None = None, **extra)
     return run
 
 
-def engine_runner(model, settings: Settings, eagle: bool, tree=None) -> Runner:
+def engine_runner(model, settings: Settings, eagle: bool, tree=None, context_drafts: bool = False) -> Runner:
     device = model.base_model.get_input_embeddings().weight.device
-    generate = model.eagenerate if eagle else model.naivegenerate
     extra = {"tree": tree} if eagle and tree is not None else {}
 
     def run(ids: list[int]) -> Output:
         x = torch.tensor([ids])
-        (out, new_tokens, rounds), seconds = timed(device, lambda: generate(
-            x, temperature=settings.temperature, max_new_tokens=settings.max_new_tokens,
-            max_length=len(ids) + settings.max_new_tokens, log=True, **extra,
-        ))  # fmt: skip
-        return Output(out[0, len(ids) :].tolist(), seconds, rounds + 1)
+        rounds, seconds = timed(device, lambda: list(model.stream(
+            x, eagle=eagle, temperature=settings.temperature, max_new_tokens=settings.max_new_tokens,
+            max_length=len(ids) + settings.max_new_tokens, context_drafts=context_drafts, **extra,
+        )))  # fmt: skip
+        tokens = [t for r in rounds for t in r.tokens]
+        drafted, copied = sum(r.accepted for r in rounds), sum(r.context for r in rounds)
+        return Output(tokens, seconds, len(rounds), drafted, copied)  # a round per base forward, the prefill's too
 
     return run
 
@@ -137,9 +141,10 @@ def make_runners(names: list[str], model, settings: Settings, assistant: dict | 
             runners[name] = hf_runner(model, settings, assistant=assistant)
         elif name == "vanilla":
             runners[name] = engine_runner(model, settings, eagle=False)
-        elif name == "eagle":
+        elif name in ("eagle", "eagle_ctx"):
             t = model.tree
-            runners[name] = engine_runner(model, settings, True, TreeSpec(t.total_token, t.depth, t.top_k))
+            runners[name] = engine_runner(model, settings, True, TreeSpec(t.total_token, t.depth, t.top_k),
+                                          context_drafts=name == "eagle_ctx")  # fmt: skip
         elif name == "eagle_static":
             runners[name] = engine_runner(model, settings, True, TreeSpec(choices=tuple(map(tuple, MC_SIM_7B_63))))
         elif name in LLAMA_CPP_METHODS:

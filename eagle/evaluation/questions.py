@@ -1,4 +1,5 @@
-"""MT-Bench questions: load ``question.jsonl`` (80 questions, two turns each)."""
+"""Benchmark questions in MT-bench's format: MT-bench's ``question.jsonl`` (80 questions, two turns each) and the
+repetitive set shipped beside this module (``data/repetitive.jsonl``: 40 prompts that carry the text they ask about)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import os
 from pathlib import Path
 
 _REQUIRED = ("question_id", "category", "turns")
+REPETITIVE_QUESTIONS = Path(__file__).resolve().parent / "data" / "repetitive.jsonl"
 
 
 def load_mtbench_questions(path: str | os.PathLike | None = None) -> list[dict]:
@@ -43,3 +45,10 @@ def load_mtbench_questions(path: str | os.PathLike | None = None) -> list[dict]:
                 raise ValueError(f"{where}: 'turns' must be a non-empty list of strings")
             questions.append(item)
     return questions
+
+
+def load_repetitive_questions() -> list[dict]:
+    """Return the repetitive set (``REPETITIVE_QUESTIONS``): one-turn prompts in MT-bench's format whose answers
+    reuse the text they carry (code to edit, passages to summarise or extract from, lists to rewrite, paragraphs to
+    quote or correct). Each question also has a ``source`` key naming where its text comes from and its license."""
+    return load_mtbench_questions(REPETITIVE_QUESTIONS)

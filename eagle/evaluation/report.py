@@ -8,6 +8,9 @@ Definitions (per method, over all its records, or those of one category):
 - speedup_vs_hf         = tokens_per_s / tokens_per_s of `hf` on the same questions
 - mean_accepted_tokens  = sum(new_tokens) / sum(forwards): tokens per base forward, the base's own token included
                           (the reference's tau, vLLM's mean acceptance length); null where forwards are unknown
+- share_from_head       = Σ drafted tokens accepted from the head's tree / Σ new tokens (our EAGLE methods)
+- share_from_context    = Σ accepted context drafts (copies of earlier text) / Σ new tokens; the rest of the tokens
+                          are the base's own (one per forward)
 - identical_to_hf       = "k/n": questions whose generated ids equal hf's (checked at temperature 0 only)
 - identical_to_vanilla  = "k/n": questions whose generated ids equal our vanilla's (same weights and kernels;
                           temperature 0, where vanilla ran): EAGLE's losslessness at the precision in use
@@ -48,6 +51,8 @@ def summarize(records: list[dict], hf_new: dict | None = None) -> dict:
     checked = [r["identical_to_hf"] for r in records if r.get("identical_to_hf") is not None]
     as_vanilla = [r["identical_to_vanilla"] for r in records if r.get("identical_to_vanilla") is not None]
     per_question = [r["new_tokens"] / r["seconds"] for r in records if r["seconds"] > 0]
+    known = new and all(r.get("drafted_tokens") is not None for r in records)
+    copied = sum(r["copied_tokens"] for r in records) if known else 0
     return {
         "questions": len(records),
         "new_tokens": new,
@@ -59,6 +64,8 @@ def summarize(records: list[dict], hf_new: dict | None = None) -> dict:
         "identical_to_hf": _ratio(sum(checked), len(checked)),
         "identical_to_vanilla": _ratio(sum(as_vanilla), len(as_vanilla)),
         "agreement_with_hf": _agreement(records, hf_new),
+        "share_from_head": (sum(r["drafted_tokens"] for r in records) - copied) / new if known else None,
+        "share_from_context": copied / new if known else None,
     }
 
 
@@ -169,6 +176,11 @@ def markdown(result: dict) -> str:
     same = [f"{n} {m['identical_to_vanilla']}" for n, m in result["methods"].items() if m.get("identical_to_vanilla")]
     if same:
         lines += ["", f"Identical to our vanilla (T=0, weights {_weights(result)}): {', '.join(same)}"]
+    sources = [f"{n} {100 * m['share_from_head']:.0f}% head drafts, {100 * m['share_from_context']:.0f}% context "
+               "copies" for n, m in result["methods"].items() if m.get("share_from_head") is not None
+               and m.get("mean_accepted_tokens") and m["mean_accepted_tokens"] > 1]  # fmt: skip
+    if sources:
+        lines += ["", f"Tokens by source (the rest: the base's own): {'; '.join(sources)}"]
     cats = result.get("categories") or []
     if cats:
         names = list(result["methods"])

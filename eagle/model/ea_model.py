@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Iterator
 
 import torch
@@ -19,6 +20,7 @@ from torch import nn
 from . import few_rows, runners
 from .base import BaseModel
 from .checkpoint import build_draft_head, read_acceptance_profile, read_checkpoint
+from .context_draft import ContextDrafter, ContextStats
 from .draft import Drafter, HeadStep
 from .draft_head import DraftHead
 from .generate import Budget, Round, TreeSpec, eagle_rounds, greedy_tree_rounds, vanilla_rounds
@@ -30,6 +32,7 @@ from .verify import SamplingParams, TokenPicker
 # End-of-turn tokens of common chat templates; those present in the vocabulary stop generation.
 END_OF_TURN_TOKENS = ("<|eot_id|>", "<|im_end|>", "<|end_of_text|>", "<|endoftext|>", "</s>", "<|end|>", "<|eom_id|>")
 AUTO_TREE_SIZES = (4, 8, 12, 16, 24, 32, 40, 48, 60)
+CONTEXT_CHAIN = 8  # nodes a context draft adds to a round's tree (context_drafts=True)
 
 
 def stop_token_ids(tokenizer=None, *configs) -> set[int]:
@@ -75,6 +78,8 @@ class EaModel(nn.Module):
         # head in use only
         self.draft_options: list[tuple] | None = None
         self.acceptance: list[list[float]] | None = None  # the head's acceptance profile, when the tree is tuned
+        self.context_chain = CONTEXT_CHAIN
+        self.context_stats = ContextStats()  # what context drafts earned here, across generations (context_draft.py)
 
     # ---------------------------------------------------------------------------------------------------------
     @classmethod
@@ -157,18 +162,19 @@ class EaModel(nn.Module):
         tree shape whose steps are not compiled (the forwards' graphs serve it)."""
         if not picker.params.greedy or tree.choices or hasattr(self.base.compiled, "lease"):
             return None
-        shape = TreeShape.of(tree.total_token, tree.depth, tree.top_k)
+        shape = TreeShape.of(tree.total_token, tree.depth, tree.top_k).with_chain(tree.chain)
         if self.base.compiled is None:
             return EagerRound(self.base, HeadStep(self.ea_layer, self.base.lm_head), shape)
         compiled = self.compiled_rounds.get(shape)
         return compiled if compiled is not None and compiled.step.head is self.ea_layer else None
 
-    def compile_round(self, tree: TreeSpec | None = None, log=None):
+    def compile_round(self, tree: TreeSpec | None = None, log=None, context_drafts: bool = False):
         """The greedy round's draft and verify steps as one compiled graph each for `tree`'s shape (default: the
         tree in use), with the head in use, compiled now; used while the base's graphs are (`self.base.compiled`).
-        CPU only (inductor). Returns the CompiledRound."""
-        tree = tree or self.tree
-        shape = TreeShape.of(tree.total_token, tree.depth, tree.top_k)
+        context_drafts: the shape of rounds with context drafts (a third graph: verify with a chain). CPU only
+        (inductor). Returns the CompiledRound."""
+        tree = replace(tree or self.tree, chain=self.context_chain if context_drafts else 0)
+        shape = TreeShape.of(tree.total_token, tree.depth, tree.top_k).with_chain(tree.chain)
         runner = runners.round_graphs(self.base, HeadStep(self.ea_layer, self.base.lm_head), shape)
         runner.warm(log)
         self.compiled_rounds[shape] = runner
@@ -217,37 +223,46 @@ class EaModel(nn.Module):
         return input_ids.cpu()
 
     def stream(self, input_ids, **kw) -> Iterator[Round]:
-        """Typed rounds: `Round.tokens`, `.accepted` (drafted and accepted), `.seconds`, `.stop`. Keywords as
-        `_rounds`: temperature, top_p, top_k, max_new_tokens, max_length, eagle, stop_token_ids, tree."""
+        """Typed rounds: `Round.tokens`, `.accepted` (drafted and accepted), `.context` (of those, context copies),
+        `.seconds`, `.stop`. Keywords as `_rounds`: temperature, top_p, top_k, max_new_tokens, max_length, eagle,
+        stop_token_ids, tree, context_drafts."""
         return self._rounds(self._check_input(input_ids), **kw)
 
     @torch.inference_mode()
     def _rounds(
         self, input_ids, temperature: float = 0.0, top_p: float = 0.0, top_k: int = 0, max_new_tokens: int = 512,
         max_length: int = 2048, eagle: bool = True, stop_token_ids=None, tree: TreeSpec | None = None,
+        context_drafts: bool = False,
     ) -> Iterator[Round]:  # fmt: skip
-        """`stream` on input_ids already checked by `_check_input` ([1, n], on CPU)."""
+        """`stream` on input_ids already checked by `_check_input` ([1, n], on CPU). context_drafts: copies of
+        earlier text offered beside the head's drafts where they measure worth it (context_draft.py)."""
         picker = TokenPicker(SamplingParams(float(temperature), float(top_p or 0.0), int(top_k or 0)))
         stops = self.stop_token_ids if stop_token_ids is None else set(stop_token_ids)
         budget = Budget(input_ids.shape[1], max_new_tokens, max_length, stops)
-        tree = tree or self.tree
+        tree = replace(tree or self.tree, chain=self.context_chain if context_drafts and eagle else 0)
         self._validate_tree(tree)
         # Caches belong to this call (allocated once, sized for it, or the CUDA graphs' own, leased until the stream
-        # ends or is dropped), so concurrent or abandoned streams never share state.
-        with self.base.leased_cache(input_ids.shape[1] + budget.limit + tree.max_nodes + 1) as cache:
+        # ends or is dropped), so concurrent or abandoned streams never share state. Room after the budget: one
+        # tree, or the accepted path that compaction writes.
+        room = max(tree.max_nodes, tree.max_depth + tree.chain + 1) + 1
+        with self.base.leased_cache(input_ids.shape[1] + budget.limit + room) as cache:
             if not eagle:
                 yield from vanilla_rounds(self.base, input_ids, picker, budget, cache)
                 return
+            context = None
+            if tree.chain:
+                proposal = tree.max_depth + tree.chain
+                context = ContextDrafter(tree.chain, proposal, self.context_stats, self.base.input_device)
             runner = self.round_runner(tree, picker)
             if runner is not None:
                 shape = runner.shape
                 draft_cache = self.ea_layer.new_cache(
                     input_ids.shape[1] + budget.limit + shape.commit_rows + shape.draft_entries + 1)
-                yield from greedy_tree_rounds(self.base, runner, input_ids, budget, cache, draft_cache)
+                yield from greedy_tree_rounds(self.base, runner, input_ids, budget, cache, draft_cache, context)
                 return
             capacity = input_ids.shape[1] + budget.limit + tree.max_draft_entries + 1
             with Drafter(self.ea_layer, self.base.lm_head, capacity, self.compiled_draft) as drafter:
-                yield from eagle_rounds(self.base, drafter, input_ids, picker, budget, tree, cache)
+                yield from eagle_rounds(self.base, drafter, input_ids, picker, budget, tree, cache, context)
 
     def _generate(self, input_ids, eagle: bool, log: bool, **kw):
         input_ids = self._check_input(input_ids)

@@ -14,10 +14,12 @@ from typing import Iterator
 import torch
 
 from .base import BaseModel
+from .context_draft import ContextDrafter
 from .masks import tree_mask
 from .draft import Drafter
+from .round_steps import DeviceTree, attach_chain
 from .transfer import to_device
-from .tree import DraftTree
+from .tree import DraftTree, TreeDraft
 from .verify import TokenPicker, accept
 
 
@@ -27,10 +29,15 @@ class Round:
     accepted: int  # tokens[:accepted] were drafted and accepted; tokens[accepted:] came from the base itself
     seconds: float  # wall time of the round (device work included: the loop syncs to read the tokens)
     stop: str | None = None  # "eos", "max_new_tokens" or "max_length" on the last round
+    context: int = 0  # tokens[accepted - context : accepted] were context drafts (copies of earlier text)
 
     @property
     def from_draft(self) -> list[bool]:
         return [i < self.accepted for i in range(len(self.tokens))]
+
+    @property
+    def from_context(self) -> list[bool]:
+        return [self.accepted - self.context <= i < self.accepted for i in range(len(self.tokens))]
 
 
 @dataclass(frozen=True)
@@ -41,10 +48,15 @@ class TreeSpec:
     depth: int = 7
     top_k: int = 10
     choices: tuple | None = None
+    chain: int = 0  # M: nodes a context draft may add to a round's tree (context_draft.py); 0 = none
 
     @property
-    def max_nodes(self) -> int:
-        return len(self.choices) + 1 if self.choices else self.total_token
+    def max_depth(self) -> int:  # the head's deepest node
+        return max(map(len, self.choices)) if self.choices else min(self.depth, self.total_token - 2) + 1
+
+    @property
+    def max_nodes(self) -> int:  # with a context chain's
+        return (len(self.choices) + 1 if self.choices else self.total_token) + self.chain
 
     @property
     def max_draft_entries(self) -> int:
@@ -82,6 +94,12 @@ class Budget:
         return tokens, reason
 
 
+def _context_accepted(accepted: int, drafted: int, from_context: int) -> int:
+    """Of the `accepted` tokens kept of a path of `drafted`, the last `from_context` of which are context nodes:
+    how many kept ones are context nodes."""
+    return max(0, accepted - (drafted - from_context))
+
+
 def _prefill(base: BaseModel, input_ids: torch.Tensor, cache, features: bool):
     n = input_ids.shape[1]
     positions = torch.arange(n, device=base.input_device)[None]
@@ -111,8 +129,9 @@ def vanilla_rounds(
 
 def eagle_rounds(
     base: BaseModel, drafter: Drafter, input_ids: torch.Tensor, picker: TokenPicker, budget: Budget,
-    tree_spec: TreeSpec, cache,
+    tree_spec: TreeSpec, cache, context: ContextDrafter | None = None,
 ) -> Iterator[Round]:  # fmt: skip
+    """context: context drafts offered beside the head's tree (the sequence so far is given to it here)."""
     t0 = time.perf_counter()
     prompt = input_ids[0].tolist()  # input_ids is on the host
     # prefill: the base reads the prompt and produces the first token (the first root)
@@ -125,36 +144,49 @@ def eagle_rounds(
     t0 = time.perf_counter()
     committed = input_ids.shape[1]  # tokens in the base cache; the root is pending
     drafter.commit(features, prompt[1:] + [root])
+    if context is not None:
+        context.extend(prompt + [root])
     while True:
         # draft: the tree stays on the device
         if tree_spec.choices:
             draft = drafter.static_tree(root, tree_spec.choices)
         else:
             draft = drafter.dynamic_tree(root, tree_spec.total_token, tree_spec.depth, tree_spec.top_k)
+        head_nodes = len(draft)
+        chain = context.propose() if context is not None else None
+        if chain is not None:  # a copy of earlier text in the same tree (round_steps.attach_chain)
+            draft = TreeDraft(*attach_chain(DeviceTree(draft.tokens, draft.parents, draft.depth, draft.ancestors), *chain, tree_spec.chain))
         # verify: one base pass over all tree nodes, then the round's one host read (accept)
         mask = tree_mask(committed, draft.ancestors, base.dtype, base.input_device)
-        logits, features = base.forward(draft.tokens[None], committed + draft.depth[None], cache, mask=mask)
+        inputs = draft.tokens.clamp(min=0)[None]  # [1, N] a chain's padding nodes (-1) read token 0
+        logits, features = base.forward(inputs, committed + draft.depth[None], cache, mask=mask)
         tree, path, root = accept(draft, logits, picker)
         # accept: keep the path's KV rows, feed the path to the draft
         cache.compact([committed + i for i in path], committed)
         new_tokens = tree.path_tokens(path[1:]) + [root]
         tokens, stop = budget.take(new_tokens)
         accepted = min(len(path) - 1, len(tokens))
-        yield Round(tokens, accepted, time.perf_counter() - t0, stop)
+        from_context = sum(node >= head_nodes for node in path)
+        seconds = time.perf_counter() - t0
+        yield Round(tokens, accepted, seconds, stop, _context_accepted(accepted, len(path) - 1, from_context))
         if stop:
             return
         t0 = time.perf_counter()
+        if context is not None:
+            context.observe(new_tokens, from_context, seconds)
         index = to_device(path, features.device)
         drafter.commit(features.index_select(0, index), new_tokens)
         committed += len(path)
 
 
 def greedy_tree_rounds(
-    base: BaseModel, runner, input_ids: torch.Tensor, budget: Budget, cache, draft_cache
+    base: BaseModel, runner, input_ids: torch.Tensor, budget: Budget, cache, draft_cache,
+    context: ContextDrafter | None = None,
 ) -> Iterator[Round]:  # fmt: skip
     """Greedy EAGLE-2 rounds, each two calls of `runner` (round_graphs.py: `draft`, then `verify`) and one host read;
     the same tokens as `eagle_rounds` with a greedy picker. draft_cache: the head's, with room for the prompt, the
-    budget, one commit and one tree (round_steps.TreeShape)."""
+    budget, one commit and one tree (round_steps.TreeShape). context: context drafts offered beside the head's
+    tree (the runner's shape has room for them)."""
     t0 = time.perf_counter()
     logits, features = _prefill(base, input_ids, cache, features=True)  # [1, V], [P, F]
     root = logits[-1].argmax()  # [] the first token
@@ -167,17 +199,23 @@ def greedy_tree_rounds(
     ids = torch.cat([input_ids[0, 1:].to(root.device), root.reshape(1)])  # [P] the token after each position
     committed, start, n = prompt, 0, prompt  # base cache rows; draft cache rows; rows the next commit brings
     length = torch.tensor(prompt, device=root.device)  # [] n on the device
+    if context is not None:
+        context.extend(input_ids[0].tolist() + tokens)
     while True:
         tree = runner.draft(draft_cache, start, features, ids, length, root)
         draft_cache.length = start = start + n
-        verdict = runner.verify(cache, committed, tree)
+        verdict = runner.verify(cache, committed, tree, context.propose() if context is not None else None)
         packet = verdict.packet.tolist()  # the round's one host read
-        n = packet[0]  # the path's nodes, root included: its rows stay in the base cache
-        cache.crop_to(committed + n)
-        tokens, stop = budget.take(packet[1:n] + packet[-1:])
-        yield Round(tokens, min(n - 1, len(tokens)), time.perf_counter() - t0, stop)
+        n, root_id, from_context = packet[0], packet[-2], packet[-1]  # n: the path's nodes, root included
+        cache.crop_to(committed + n)  # the path's rows stay in the base cache
+        new_tokens = packet[1:n] + [root_id]
+        tokens, stop = budget.take(new_tokens)
+        accepted, seconds = min(n - 1, len(tokens)), time.perf_counter() - t0
+        yield Round(tokens, accepted, seconds, stop, _context_accepted(accepted, n - 1, from_context))
         if stop:
             return
         t0 = time.perf_counter()
+        if context is not None:
+            context.observe(new_tokens, from_context, seconds)
         committed += n
         features, ids, length, root = verdict.features, verdict.commit_ids, verdict.length, verdict.root

@@ -1,7 +1,8 @@
 """Runners of a greedy EAGLE-2 round's two steps (round_steps.py), one interface:
 
     runner.draft(cache, start, features, ids, n, root) -> DeviceTree
-    runner.verify(cache, committed, tree) -> Verdict   (the accepted path's KV rows kept: round_steps.compact)
+    runner.verify(cache, committed, tree, chain) -> Verdict   (the accepted path's KV rows kept: round_steps.compact;
+                                                             chain: a context draft added first, or None)
 
 `EagerRound` calls the step functions; `CompiledRound` runs each as one inductor graph per tree shape, with the
 machinery of the base's graphs (compiled.py: weights frozen, the panel kernel for float32 linears, the context
@@ -18,7 +19,7 @@ import torch
 from .compiled import BucketGraphs, static_rows
 from .draft import HeadStep
 from .few_rows import few_row_kernels
-from .round_steps import DeviceTree, TreeShape, Verdict, compact, draft_step, verify_step
+from .round_steps import DeviceTree, TreeShape, Verdict, attach_chain, compact, draft_step, verify_step
 
 
 class EagerRound:
@@ -31,8 +32,11 @@ class EagerRound:
         with few_row_kernels():  # float32 CPU linears: the plan's kernel per row count (few_rows.py)
             return draft_step(self.step, cache, start, features, ids, n, root, self.shape)
 
-    def verify(self, cache, committed: int, tree: DeviceTree) -> Verdict:
-        """The verify step, then the accepted path's KV rows kept (`compact`)."""
+    def verify(self, cache, committed: int, tree: DeviceTree, chain=None) -> Verdict:
+        """The verify step (on the tree with `chain` attached: (proposal [P], count []) or None), then the accepted
+        path's KV rows kept (`compact`)."""
+        if chain is not None:
+            tree = attach_chain(tree, *chain, self.shape.chain)
         with few_row_kernels():
             verdict = verify_step(self.base, cache, committed, tree, self.shape)
         compact(cache, committed, verdict.path)
@@ -40,7 +44,8 @@ class EagerRound:
 
 
 class CompiledRound(EagerRound):
-    """The draft step and the verify step, each one graph for this tree shape (compiled on first use or `warm`)."""
+    """The draft step and the verify step, each one graph for this tree shape (compiled on first use or `warm`), and
+    with a context chain in the shape, a second verify graph for trees that carry one (`verify_chain`)."""
 
     def __init__(self, base, step: HeadStep, shape: TreeShape):
         super().__init__(base, step, shape)
@@ -51,8 +56,14 @@ class CompiledRound(EagerRound):
         def verify(cache, committed, tokens, parents, depth, ancestors):
             return verify_step(base, cache, committed, DeviceTree(tokens, parents, depth, ancestors), shape)
 
+        def verify_chain(cache, committed, tokens, parents, depth, ancestors, proposal, count):
+            tree = attach_chain(DeviceTree(tokens, parents, depth, ancestors), proposal, count, shape.chain)
+            return verify_step(base, cache, committed, tree, shape)
+
         self.draft_graph = BucketGraphs(draft, (shape.nodes,), (step.head, step.base_lm_head), "compiled draft steps")
         self.verify_graph = BucketGraphs(verify, (shape.nodes,), (base.model,), "compiled verify steps")
+        self.verify_chain_graph = BucketGraphs(verify_chain, (shape.nodes + shape.chain,), (base.model,),
+                                               "compiled verify steps with a context chain")  # fmt: skip
 
     def draft(self, cache, start: int, features, ids, n, root) -> DeviceTree:
         if start < 2 or ids.shape[0] != self.shape.commit_rows:
@@ -60,22 +71,30 @@ class CompiledRound(EagerRound):
         static_rows((features, 0), (features, 1), (ids, 0))
         return DeviceTree(*self.draft_graph.call(self.shape.nodes, (cache, start, features, ids, n, root)))
 
-    def verify(self, cache, committed: int, tree: DeviceTree) -> Verdict:
+    def verify(self, cache, committed: int, tree: DeviceTree, chain=None) -> Verdict:
         if committed < 2:
-            return super().verify(cache, committed, tree)
+            return super().verify(cache, committed, tree, chain)
         static_rows((tree.tokens, 0), (tree.parents, 0), (tree.depth, 0), (tree.ancestors, 0), (tree.ancestors, 1))
-        out = self.verify_graph.call(self.shape.nodes, (cache, committed, *tree), undo=lambda: cache.crop_to(committed))
+        undo = lambda: cache.crop_to(committed)  # noqa: E731
+        if chain is None:
+            out = self.verify_graph.call(self.shape.nodes, (cache, committed, *tree), undo=undo)
+        else:
+            static_rows((chain[0], 0))
+            out = self.verify_chain_graph.call(self.shape.nodes + self.shape.chain, (cache, committed, *tree, *chain),
+                                               undo=undo)  # fmt: skip
         verdict = Verdict(*out)
         compact(cache, committed, verdict.path)
         return verdict
 
-    def warm(self, log=None, context: int = 64, steps=("draft", "verify")) -> dict[str, float]:
+    def warm(self, log=None, context: int = 64, steps=None) -> dict[str, float]:
         """Compile the graphs of `steps` now (a step left out runs eagerly): a round over dummy tokens after
-        `context` cached positions. Returns seconds per step."""
+        `context` cached positions. steps: of "draft", "verify", "verify_chain" (default: all the shape has).
+        Returns seconds per step."""
+        steps = steps or ("draft", "verify", "verify_chain")[: 3 if self.shape.chain else 2]
         base, head, shape = self.base, self.step.head, self.shape
         seconds = {}
         with torch.inference_mode():  # the caches too: tensors made outside it have other dispatch keys (a guard)
-            cache = base.new_cache(context + shape.nodes + 1)
+            cache = base.new_cache(context + shape.nodes + shape.chain + shape.commit_rows)
             draft_cache = head.new_cache(context + shape.commit_rows + shape.draft_entries + 1)
             ids = torch.zeros(1, context, dtype=torch.long)
             # eager, with features: transformers installs its hidden-state hooks on first use (a graph break if
@@ -93,8 +112,14 @@ class CompiledRound(EagerRound):
                 t0 = time.perf_counter()
                 self.verify(cache, context, tree)
                 seconds["verify"] = time.perf_counter() - t0
+            if "verify_chain" in steps:
+                cache.crop_to(context)
+                chain = torch.zeros(shape.proposal, dtype=torch.long), torch.tensor(2)
+                t0 = time.perf_counter()
+                self.verify(cache, context, tree, chain)
+                seconds["verify_chain"] = time.perf_counter() - t0
         if log:
-            log(f"compiled the round's {' and '.join(steps)} step{'s' if len(steps) > 1 else ''} in "
+            log(f"compiled the round's {', '.join(steps)} step{'s' if len(steps) > 1 else ''} in "
                 + " + ".join(f"{seconds[s]:.1f}" for s in steps) + f" s (a tree of {shape.nodes} nodes, "
                 f"{shape.levels} draft levels of width {shape.top_k})")  # fmt: skip
         return seconds

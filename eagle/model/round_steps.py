@@ -3,14 +3,16 @@
     draft_step:  commit the accepted path to the draft cache, grow the tree level by level, select its nodes
     verify_step: the base pass over the tree, greedy acceptance, the next commit's inputs (then `compact`: the
                  accepted path's KV rows kept)
+    attach_chain: a context draft (a copy of earlier text, context_draft.py) added to the tree before the pass
 
 Nothing inside either reads the device from the host: the accepted path, its length and the next root stay tensors
 and feed the next round's `draft_step` directly. The host reads one small tensor a round (`Verdict.packet`).
 Shapes are static for a tree shape (top_k, depth, total_token); the context length is the only symbolic size.
 Run eagerly, these functions are the reference the compiled graphs are tested against.
 
-Shapes: N = tree nodes with the root, D = the deepest node's depth, C = commit rows (D + 1: the longest accepted
-path with the root; a prompt's commit is its length), F = base feature width, H = head width, Vd = draft vocab.
+Shapes: N = tree nodes with the root (the head's; + M context nodes after `attach_chain`), D = the deepest node's
+depth, C = commit rows (D + 1: the longest accepted path with the root; a prompt's commit is its length), P = context
+tokens proposed (head depth + M), F = base feature width, H = head width, Vd = draft vocab.
 """
 
 from __future__ import annotations
@@ -27,11 +29,13 @@ from .tree import ancestors_on_device
 @dataclass(frozen=True)
 class TreeShape:
     """The static shape of an EAGLE-2 dynamic tree: `levels` head expansions of `top_k` nodes each after the root's
-    children, `nodes` kept (with the root), the deepest at depth `levels + 1`."""
+    children, `nodes` kept (with the root), the deepest at depth `levels + 1`; with `chain` > 0, rounds may add a
+    chain of that many context nodes (`attach_chain`), and every path, commit and packet is sized for it."""
 
     top_k: int
     levels: int
     nodes: int
+    chain: int = 0  # M
 
     @classmethod
     def of(cls, total_token: int, depth: int, top_k: int) -> "TreeShape":
@@ -39,9 +43,20 @@ class TreeShape:
         pool = top_k + levels * top_k * top_k
         return cls(top_k, levels, min(total_token - 1, pool) + 1)
 
+    def with_chain(self, chain: int) -> "TreeShape":
+        return TreeShape(self.top_k, self.levels, self.nodes, chain)
+
     @property
-    def max_depth(self) -> int:  # D
+    def head_depth(self) -> int:  # the head's deepest node
         return self.levels + 1
+
+    @property
+    def max_depth(self) -> int:  # D: a context chain hangs at most under the head's deepest node
+        return self.head_depth + self.chain
+
+    @property
+    def proposal(self) -> int:  # P: context tokens a round offers (a prefix the head's nodes share, then the chain)
+        return self.head_depth + self.chain
 
     @property
     def commit_rows(self) -> int:  # C: an accepted path of D drafted tokens plus the root
@@ -55,14 +70,15 @@ class TreeShape:
 class DeviceTree(NamedTuple):
     """tree.TreeDraft's fields as a tuple, which a compiled graph returns as it is (`TreeDraft(*tree)` reads it)."""
 
-    tokens: torch.Tensor  # [N] long; tokens[0] is the root
+    tokens: torch.Tensor  # [N] long; tokens[0] is the root; -1: a padding node, never accepted (base reads id 0)
     parents: torch.Tensor  # [N] long; parents[0] == -1, parents[i] < i
     depth: torch.Tensor  # [N] long; root 0
     ancestors: torch.Tensor  # [N, N] bool: row i = i and its ancestors
 
 
 class Verdict(NamedTuple):
-    packet: torch.Tensor  # [D + 2] long: path length L (root included), the L - 1 accepted tokens, pads, next root
+    packet: torch.Tensor  # [D + 3] long: path length L (root included), the L - 1 accepted tokens, pads, next root,
+    #                       then how many of the accepted tokens (the last ones) are context nodes
     path: torch.Tensor  # [D + 1] long: the path's node at each depth (root first; 0 past its end)
     features: torch.Tensor  # [C, F] base features of the path's nodes (rows >= L: padding)
     commit_ids: torch.Tensor  # [C] the token after each path node: accepted tokens then the next root (pads after)
@@ -142,7 +158,7 @@ def grow_tree(step, cache, start: int, gap: int, committed, last, log_probs, roo
     parents = torch.cat([torch.full((1,), -1, device=device), parents])  # [N]
     tokens = torch.cat([root.reshape(1), torch.cat(pool_tokens)[chosen]])  # [N]
     depth = torch.cat([torch.zeros(1, dtype=torch.long, device=device), torch.cat(pool_depths)[chosen]])  # [N]
-    return DeviceTree(tokens, parents, depth, ancestors_on_device(parents, shape.max_depth))
+    return DeviceTree(tokens, parents, depth, ancestors_on_device(parents, shape.head_depth))
 
 
 # -------------------------------------------------------------------------------------------------------------
@@ -150,18 +166,45 @@ def verify_step(base, cache, committed: int, tree: DeviceTree, shape: TreeShape)
     """The base pass over the tree's N nodes after `committed` cached positions, and greedy acceptance.
 
     base: base.BaseModel (its `decode`, the forward itself); cache: its TreeKVCache at length `committed`, which the
-    pass writes the N nodes' rows after; `compact` then keeps the path's."""
+    pass writes the N nodes' rows after; `compact` then keeps the path's. Nodes from `shape.nodes` on are context
+    nodes (`attach_chain`)."""
     ids, depth, ancestors = tree.tokens, tree.depth, tree.ancestors
     mask = tree_mask(committed, ancestors, base.dtype, ids.device)  # [1, 1, N, committed + N]
-    logits, features = base.decode(ids[None], (committed + depth)[None], mask, cache, True, False)  # [N, V], [N, F]
+    inputs = ids.clamp(min=0)[None]  # [1, N] padding nodes read token 0
+    logits, features = base.decode(inputs, (committed + depth)[None], mask, cache, True, False)  # [N, V], [N, F]
     draws = logits.argmax(dim=-1)  # [N] the base's token after each node
     path, length = accept_path(tree, draws, shape.max_depth)  # [D + 1], []
     root = draws.index_select(0, path.index_select(0, (length - 1).reshape(1)))[0]  # [] the draw after the path
     accepted = ids.index_select(0, path[1:])  # [D] the path's drafted tokens (pads past L - 1)
     at = torch.arange(shape.commit_rows, device=ids.device)  # [C]
     commit_ids = torch.where(at == length - 1, root, torch.cat([accepted, root.reshape(1)]))  # [C]
-    packet = torch.cat([length.reshape(1), accepted, root.reshape(1)])  # [D + 2]
+    levels = torch.arange(shape.max_depth + 1, device=ids.device)  # [D + 1]
+    from_context = ((path >= shape.nodes) & (levels < length)).sum()  # [] accepted context nodes
+    packet = torch.cat([length.reshape(1), accepted, root.reshape(1), from_context.reshape(1)])  # [D + 3]
     return Verdict(packet, path, features.index_select(0, path), commit_ids, length, root)
+
+
+def attach_chain(tree: DeviceTree, proposal: torch.Tensor, count: torch.Tensor, chain: int) -> DeviceTree:
+    """The tree with a chain of `chain` (M) context nodes added: proposal [P] holds the context's guess of the tokens
+    after the root (`count` [] long of them real, the rest padding). The chain hangs under the deepest head node
+    whose path spells a prefix of the proposal (the root when none), carries the proposal's next M tokens, and its
+    nodes past the proposal's end carry -1 (never accepted). So no head node is drafted twice and the chain's first
+    node differs from the head's children there: a context node on the accepted path is a token the head did not
+    propose. Returns N + M nodes; parents still precede children."""
+    tokens, parents, depth, ancestors = tree
+    N, device = tokens.shape[0], tokens.device
+    wanted = proposal.index_select(0, (depth - 1).clamp(min=0))  # [N] the proposal's token at each node's depth
+    spells = ((wanted == tokens) & (depth <= count)) | (depth == 0)  # [N]
+    on_proposal = ~(ancestors & ~spells[None, :]).any(dim=1)  # [N] the node and its ancestors spell the proposal
+    attach = torch.where(on_proposal, depth, -1).argmax().reshape(1)  # [1] the deepest such node
+    at = depth.index_select(0, attach) + torch.arange(chain, device=device)  # [M] proposal index of each chain node
+    chain_tokens = torch.where(at < count, proposal.index_select(0, at), -1)  # [M]
+    chain_parents = torch.cat([attach, N + torch.arange(chain - 1, device=device)])  # [M]
+    above = ancestors.index_select(0, attach).expand(chain, N)  # [M, N] the attach node and its ancestors
+    own = torch.ones(chain, chain, dtype=torch.bool, device=device).tril()  # [M, M] the chain's own prefix
+    rows = torch.cat([torch.cat([ancestors, ancestors.new_zeros(N, chain)], dim=1), torch.cat([above, own], dim=1)])
+    return DeviceTree(torch.cat([tokens, chain_tokens]), torch.cat([parents, chain_parents]),
+                      torch.cat([depth, at + 1]), rows)  # fmt: skip
 
 
 def compact(cache, committed: int, path: torch.Tensor) -> None:

@@ -60,7 +60,9 @@ def data_dir(name: str | os.PathLike) -> Path:
 # Conversations
 def load_conversations(path: str | None = None, limit: int | None = None, skip: int = 0) -> list[list[dict]]:
     """Conversations as message lists. `path`: None = ShareGPT (the pinned PyPI wheel), or a .json / .jsonl
-    file of ShareGPT records ({"conversations": [{"from", "value"}...]}) or {"messages": [{"role", "content"}...]}."""
+    file of ShareGPT records ({"conversations": [{"from", "value"}...]}) or {"messages": [{"role", "content"}...]}.
+    Conversations that hold an MT-bench or repetitive-set prompt are dropped (benchmark_guard.py)."""
+    from .benchmark_guard import drop_benchmark_conversations
     from .sharegpt import load_sharegpt, to_messages
 
     if path is None:
@@ -76,7 +78,8 @@ def load_conversations(path: str | None = None, limit: int | None = None, skip: 
         if msgs:
             convs.append(list(msgs))
     convs = convs[skip:]
-    return convs if limit is None else convs[:limit]
+    convs = convs if limit is None else convs[:limit]
+    return drop_benchmark_conversations(convs)  # after skip/limit: the same windows, less any benchmark prompt
 
 
 def encode_sample(tokenizer, template, messages: list[dict], max_len: int, truncated: bool = False):
