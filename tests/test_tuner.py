@@ -89,8 +89,9 @@ def test_total_token_minus_one_tunes_with_the_profile_and_stays_lossless(folders
     ref = model.base_model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=24,
                                     min_new_tokens=24)  # fmt: skip
     assert model.eagenerate(ids, max_new_tokens=24, stop_token_ids=[]).tolist() == ref.tolist()
+    measured = len(calls)  # one call per draft shape
     EaModel.from_pretrained(*folders, total_token=-1, dtype=torch.float32)  # the same machine, model and head
-    assert len(calls) == 1  # costs came from the cache the second time
+    assert len(calls) == measured  # costs came from the cache the second time
 
 
 def test_cost_cache_key_changes_with_machine_model_and_head(folders, monkeypatch):
@@ -120,13 +121,15 @@ def test_verify_costs_are_measured_once_for_heads_of_two_dtypes_and_draft_costs_
     verify_calls, draft_dtypes = [], []
     pass_seconds = model.base.pass_seconds
     monkeypatch.setattr(model.base, "pass_seconds", lambda rows: verify_calls.append(1) or pass_seconds(rows))
-    monkeypatch.setattr(tuner, "draft_seconds", lambda m, depths, top_ks: draft_dtypes.append(m.ea_layer.dtype_name)
-                        or {(d, k): 1e-3 * d * k for d in depths for k in top_ks})  # fmt: skip
+    monkeypatch.setattr(tuner, "draft_seconds", lambda m, depths, top_ks, head_and_graphs: draft_dtypes.append(
+        head_and_graphs[0].dtype_name) or {(d, k): 1e-3 * d * k for d in depths for k in top_ks})  # fmt: skip
     accept = [[0.6, 0.2], [0.5, 0.2], [0.4, 0.2]]
     tuner.tune(model, accept)
-    assert verify_calls == [1] and draft_dtypes == ["float32", "bfloat16"]
+    shapes = len(accept) * len(tuner.TOP_KS)
+    # both dtypes in one sitting, shape by shape in turn
+    assert verify_calls == [1] and draft_dtypes == ["float32", "bfloat16"] * shapes
     tuner.tune(model, accept)  # everything from the cache now
-    assert verify_calls == [1] and len(draft_dtypes) == 2
+    assert verify_calls == [1] and len(draft_dtypes) == 2 * shapes
     verify_key, draft_key = tuner._cache_key(model, head=False), tuner._cache_key(model)
     (fp32, _), (bf16, _) = model.draft_options
     model.ea_layer = bf16 if model.ea_layer is fp32 else fp32  # the other head
@@ -222,8 +225,9 @@ def test_with_heads_of_two_dtypes_the_tuner_picks_tree_and_dtype_together(folder
     def costs(dtype, depth_max):
         return {(d, k): level_s[dtype] * d * k for d in range(1, depth_max + 1) for k in (1, 2)}
 
-    monkeypatch.setattr(tuner, "measured_costs", lambda m, depth_max, log: (
-        verify, costs(m.ea_layer.fc.weight.dtype, depth_max)))  # fmt: skip
+    monkeypatch.setattr(tuner, "verify_costs", lambda m, log: verify)
+    monkeypatch.setattr(tuner, "draft_costs", lambda m, options, depth_max, log: [
+        costs(head.fc.weight.dtype, depth_max) for head, _ in options])  # fmt: skip
     choice = tuner.tune(model, accept)
     best = pick_tree(accept, verify, costs(torch.bfloat16, 3))
     assert choice.draft_dtype == "bfloat16" and model.ea_layer is bf16

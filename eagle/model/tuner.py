@@ -166,36 +166,60 @@ def _save(path, data: dict) -> None:
     tmp.replace(path)
 
 
-def measured_costs(model, depth_max: int, log=None) -> tuple[dict[int, float], dict[tuple[int, int], float]]:
-    """(verify seconds per size, draft seconds per (depth, top_k)), each measured once: the verify costs per
-    machine + base (whatever the head), the draft costs per machine + base + head (its dtype included)."""
-    verify_path, draft_path = _cache_path(model, "-verify", head=False), _cache_path(model, "-draft")
-    saved = _load(verify_path)
+def verify_costs(model, log=None) -> dict[int, float]:
+    """Verify seconds per tree size, measured once per machine + base (whatever the head), cached."""
+    path = _cache_path(model, "-verify", head=False)
+    saved = _load(path)
     if saved is not None:
-        verify = {int(n): s for n, s in saved["verify"].items()}
-    else:
-        t0 = time.perf_counter()
-        verify = model.base.pass_seconds(list(SIZES))
-        _save(verify_path, {"verify": verify})
-        if log:
-            log(f"tree tuner: measured {len(verify)} verify sizes in {time.perf_counter() - t0:.1f} s "
-                f"(cached in {verify_path})")  # fmt: skip
-    saved = _load(draft_path)
+        return {int(n): s for n, s in saved["verify"].items()}
+    t0 = time.perf_counter()
+    verify = model.base.pass_seconds(list(SIZES))
+    _save(path, {"verify": verify})
+    if log:
+        log(f"tree tuner: measured {len(verify)} verify sizes in {time.perf_counter() - t0:.1f} s (cached in {path})")
+    return verify
+
+
+def draft_costs(model, options: list[tuple], depth_max: int, log=None) -> list[dict[tuple[int, int], float]]:
+    """Draft seconds per (depth, top_k) for each (head, CompiledDraft or None) of `options`, cached per machine +
+    base + the options' heads (their dtypes included). Heads of several dtypes are timed in one sitting, shape by
+    shape in turn, so that a machine's drift between two measurements never decides between them."""
+    path = _draft_cache_path(model, options)
+    saved = _load(path)
     if saved is not None and saved["depth_max"] >= depth_max:
-        draft = {tuple(map(int, key.split(","))): s for key, s in saved["draft"].items()}
+        runs = saved["heads"]
     else:
         t0 = time.perf_counter()
-        draft = draft_seconds(model, range(1, depth_max + 1), TOP_KS)
-        _save(draft_path, {"depth_max": depth_max, "draft": {f"{d},{k}": s for (d, k), s in draft.items()}})
+        measured = [{} for _ in options]
+        for d in range(1, depth_max + 1):
+            for k in TOP_KS:
+                for costs, option in zip(measured, options):
+                    costs.update(draft_seconds(model, [d], [k], head_and_graphs=option))
+        runs = [{f"{d},{k}": s for (d, k), s in costs.items()} for costs in measured]
+        _save(path, {"depth_max": depth_max, "heads": runs})
         if log:
-            log(f"tree tuner: measured {len(draft)} draft shapes ({model.ea_layer.dtype_name} head) in "
-                f"{time.perf_counter() - t0:.1f} s (cached in {draft_path})")  # fmt: skip
-    return verify, {key: s for key, s in draft.items() if key[0] <= depth_max}
+            heads = " and ".join(head.dtype_name for head, _ in options)
+            log(f"tree tuner: measured {len(runs[0])} draft shapes ({heads} head{'s' if len(options) > 1 else ''}) "
+                f"in {time.perf_counter() - t0:.1f} s (cached in {path})")  # fmt: skip
+    return [{tuple(map(int, key.split(","))): s for key, s in run.items() if int(key.split(",")[0]) <= depth_max}
+            for run in runs]  # fmt: skip
+
+
+def _draft_cache_path(model, options: list[tuple]):
+    """The draft costs' cache of `options` (head, graphs): keyed on the machine, the base and every option's head."""
+    in_use = model.ea_layer, model.compiled_draft
+    keys = []
+    for head, graphs in options:
+        model.ea_layer, model.compiled_draft = head, graphs
+        keys.append(_cache_key(model))
+    model.ea_layer, model.compiled_draft = in_use
+    return _cache_path(model).with_name(f"{hashlib.sha256('+'.join(keys).encode()).hexdigest()[:20]}-drafts.json")
 
 
 def forget_costs(model) -> None:
     """Drop the cached costs of the model's forwards and draft steps as they run now (measured under load, say)."""
-    for path in (_cache_path(model, "-verify", head=False), _cache_path(model, "-draft")):
+    options = model.draft_options or [(model.ea_layer, model.compiled_draft)]
+    for path in (_cache_path(model, "-verify", head=False), _draft_cache_path(model, options)):
         path.unlink(missing_ok=True)
 
 
@@ -386,10 +410,10 @@ def tune(model, accept: list[list[float]], log=None) -> TreeChoice:
     compiling left draft heads in two dtypes (`model.draft_options`), the tree and the dtype together, on the same
     verify costs: the pick's head and graphs become the model's."""
     widest = len(accept[0])
+    options = model.draft_options or [(model.ea_layer, model.compiled_draft)]
+    verify = verify_costs(model, log)
     best = None
-    for head, graphs in model.draft_options or [(model.ea_layer, model.compiled_draft)]:
-        model.ea_layer, model.compiled_draft = head, graphs  # the draft costs' cache key names the head's dtype
-        verify, draft = measured_costs(model, len(accept), log)
+    for (head, graphs), draft in zip(options, draft_costs(model, options, len(accept), log)):
         choice = pick_tree(accept, verify, {key: s for key, s in draft.items() if key[1] <= widest})
         choice = replace(choice, draft_dtype=head.dtype_name)
         if best is None or choice.tokens_per_s > best[0].tokens_per_s:
