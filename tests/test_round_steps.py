@@ -115,3 +115,29 @@ def test_compiled_round_gives_the_eager_rounds_in_one_graph_each(tmp_path):
     n_rounds = sum(len(r) for r in eager)  # per prompt: the prefill's round, then one round per verify
     # every verify runs in the graph, every draft but the first (the prompt's commit)
     assert calls == {"draft": n_rounds - 2 * len(PROMPTS), "verify": n_rounds - len(PROMPTS)}
+
+
+def test_a_head_compiled_in_two_dtypes_keeps_the_one_whose_round_draft_step_is_faster(model, monkeypatch):
+    """compile_round with `draft_options` of two dtypes compiles the round with each head, times their draft
+    steps in turn and puts the faster head in use; the round runner then serves it. (Compiling and the clock are
+    replaced here: the choice is what is pinned; test_compiled.py compiles real rounds.)"""
+    import copy
+
+    fp32 = model.ea_layer
+    bf16 = copy.deepcopy(fp32).to(torch.bfloat16)
+    model.draft_options = [(bf16, None), (fp32, None)]
+    model.base.compiled = object()  # the base's graphs "in use", so that the compiled round is the one served
+    step_ms = {torch.bfloat16: 5.4e-3, torch.float32: 3.3e-3}
+    monkeypatch.setattr(CompiledRound, "warm", lambda self, log=None: {})
+    monkeypatch.setattr(CompiledRound, "draft_seconds", lambda self: step_ms[self.step.head.fc.weight.dtype])
+    lines = []
+    try:
+        for faster in (fp32, bf16):
+            runner = model.compile_round(TreeSpec(8, 3, 2), log=lines.append)
+            assert model.ea_layer is faster and runner.step.head is faster
+            assert model.round_runner(TreeSpec(8, 3, 2), TokenPicker(SamplingParams())) is runner
+            step_ms[torch.bfloat16] = 2.0e-3  # now bfloat16 drafts faster
+        assert "3.30 ms in float32" in lines[0] and lines[0].endswith("the float32 head kept")
+    finally:
+        model.base.compiled, model.draft_options, model.ea_layer = None, None, fp32
+        model.compiled_rounds.clear()

@@ -170,15 +170,35 @@ class EaModel(nn.Module):
 
     def compile_round(self, tree: TreeSpec | None = None, log=None, context_drafts: bool = False):
         """The greedy round's draft and verify steps as one compiled graph each for `tree`'s shape (default: the
-        tree in use), with the head in use, compiled now; used while the base's graphs are (`self.base.compiled`).
-        context_drafts: the shape of rounds with context drafts (a third graph: verify with a chain). CPU only
-        (inductor). Returns the CompiledRound."""
+        tree in use), compiled now; used while the base's graphs are (`self.base.compiled`). Where the head was
+        compiled in two dtypes (`draft_options`), the round is compiled with each and the head whose draft step
+        times faster here is put in use. context_drafts: the shape of rounds with context drafts (a third graph:
+        verify with a chain), with the head in use. CPU only (inductor). Returns the CompiledRound."""
         tree = replace(tree or self.tree, chain=self.context_chain if context_drafts else 0)
         shape = TreeShape.of(tree.total_token, tree.depth, tree.top_k).with_chain(tree.chain)
-        runner = runners.round_graphs(self.base, HeadStep(self.ea_layer, self.base.lm_head), shape)
-        runner.warm(log)
+        several = self.draft_options and len(self.draft_options) > 1 and not context_drafts
+        options = self.draft_options if several else None  # a context round keeps the head its plain round chose
+        heads = [head for head, _ in options] if options else [self.ea_layer]
+        rounds = [runners.round_graphs(self.base, HeadStep(head, self.base.lm_head), shape) for head in heads]
+        for runner in rounds:
+            runner.warm(log)
+        if options:  # the head whose round draft step is the faster here, in use from now on
+            runner = rounds[self._faster_round_draft(rounds, log)]
+            self.ea_layer, self.compiled_draft = next(o for o in options if o[0] is runner.step.head)
+            if self.tree_choice is not None:
+                self.tree_choice = replace(self.tree_choice, draft_dtype=self.ea_layer.dtype_name)
         self.compiled_rounds[shape] = runner
         return runner
+
+    @staticmethod
+    def _faster_round_draft(rounds: list, log=None, sittings: int = 3) -> int:
+        """Index of the round whose draft step is the fastest, timed in turn `sittings` times (the best of each)."""
+        seconds = [min(ts) for ts in zip(*([r.draft_seconds() for r in rounds] for _ in range(sittings)))]
+        fastest = min(range(len(rounds)), key=seconds.__getitem__)
+        if log:
+            times = ", ".join(f"{1e3 * s:.2f} ms in {r.step.head.dtype_name}" for r, s in zip(rounds, seconds))
+            log(f"the round's draft step: {times}; the {rounds[fastest].step.head.dtype_name} head kept")
+        return fastest
 
     def try_compile_round(self, log) -> bool:
         """`compile_round` for the tree in use, or, if compiling fails, one line in `log` and the rounds as before

@@ -155,7 +155,8 @@ def eagle_rounds(
         head_nodes = len(draft)
         chain = context.propose() if context is not None else None
         if chain is not None:  # a copy of earlier text in the same tree (round_steps.attach_chain)
-            draft = TreeDraft(*attach_chain(DeviceTree(draft.tokens, draft.parents, draft.depth, draft.ancestors), *chain, tree_spec.chain))
+            head = DeviceTree(draft.tokens, draft.parents, draft.depth, draft.ancestors)
+            draft = TreeDraft(*attach_chain(head, *chain, tree_spec.chain))
         # verify: one base pass over all tree nodes, then the round's one host read (accept)
         mask = tree_mask(committed, draft.ancestors, base.dtype, base.input_device)
         inputs = draft.tokens.clamp(min=0)[None]  # [1, N] a chain's padding nodes (-1) read token 0

@@ -20,6 +20,7 @@ from .compiled import BucketGraphs, static_rows
 from .draft import HeadStep
 from .few_rows import few_row_kernels
 from .round_steps import DeviceTree, TreeShape, Verdict, attach_chain, compact, draft_step, verify_step
+from .timing import repeated_seconds
 
 
 class EagerRound:
@@ -91,19 +92,10 @@ class CompiledRound(EagerRound):
         `context` cached positions. steps: of "draft", "verify", "verify_chain" (default: all the shape has).
         Returns seconds per step."""
         steps = steps or ("draft", "verify", "verify_chain")[: 3 if self.shape.chain else 2]
-        base, head, shape = self.base, self.step.head, self.shape
+        shape = self.shape
         seconds = {}
         with torch.inference_mode():  # the caches too: tensors made outside it have other dispatch keys (a guard)
-            cache = base.new_cache(context + shape.nodes + shape.chain + shape.commit_rows)
-            draft_cache = head.new_cache(context + shape.commit_rows + shape.draft_entries + 1)
-            ids = torch.zeros(1, context, dtype=torch.long)
-            # eager, with features: transformers installs its hidden-state hooks on first use (a graph break if
-            # that happened inside the graph)
-            base.forward(ids, torch.arange(context)[None], cache, features=True, last_logits_only=True)
-            draft_cache.length = context
-            width = base.hidden_size * len(base.feature_layers) if base.feature_layers else base.hidden_size
-            features = torch.zeros(shape.commit_rows, width, dtype=base.dtype)
-            commit = torch.zeros(shape.commit_rows, dtype=torch.long)
+            cache, draft_cache, features, commit = self._dummy_round(context)
             draft = self.draft if "draft" in steps else super().draft
             t0 = time.perf_counter()
             tree = draft(draft_cache, context, features, commit, torch.tensor(2), torch.tensor(0))
@@ -123,3 +115,32 @@ class CompiledRound(EagerRound):
                 + " + ".join(f"{seconds[s]:.1f}" for s in steps) + f" s (a tree of {shape.nodes} nodes, "
                 f"{shape.levels} draft levels of width {shape.top_k})")  # fmt: skip
         return seconds
+
+    def draft_seconds(self, context: int = 256, repeats: int = 7) -> float:
+        """Median seconds of the draft step (its graph, compiled now if it is not) after `context` positions."""
+        with torch.inference_mode():
+            _, draft_cache, features, commit = self._dummy_round(context, base_cache=False)
+            n, root = torch.tensor(2), torch.tensor(0)
+
+            def forget() -> None:  # back to the committed context
+                draft_cache.length = context
+
+            step = lambda: self.draft(draft_cache, context, features, commit, n, root)  # noqa: E731
+            return repeated_seconds(features.device, step, repeats, after=forget)[repeats // 2]
+
+    def _dummy_round(self, context: int, base_cache: bool = True) -> tuple:
+        """(base cache after `context` dummy positions or None, the head's cache at `context` positions, features
+        [C, F] and ids [C] of a commit) for warming up and timing."""
+        base, head, shape = self.base, self.step.head, self.shape
+        cache = None
+        if base_cache:
+            cache = base.new_cache(context + shape.nodes + shape.chain + shape.commit_rows)
+            ids = torch.zeros(1, context, dtype=torch.long)
+            # eager, with features: transformers installs its hidden-state hooks on first use (a graph break if that
+            # happened inside the graph)
+            base.forward(ids, torch.arange(context)[None], cache, features=True, last_logits_only=True)
+        draft_cache = head.new_cache(context + shape.commit_rows + shape.draft_entries + 1)
+        draft_cache.length = context
+        width = base.hidden_size * len(base.feature_layers) if base.feature_layers else base.hidden_size
+        features = torch.zeros(shape.commit_rows, width, dtype=base.dtype)
+        return cache, draft_cache, features, torch.zeros(shape.commit_rows, dtype=torch.long)
