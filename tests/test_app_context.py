@@ -6,12 +6,12 @@ the context shape's compiled round is in, brought in by the idle work after the 
 from __future__ import annotations
 
 import re
-from html.parser import HTMLParser
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 from app_fixtures import one_thread, tiny_engine
+from html_checks import elements
 
 from app import precompile
 from app.handlers import _settings, make_handlers, restored_conversation, summary_html
@@ -33,21 +33,6 @@ REPEATING = "w3 w4 w5 w6 w7 w3 w4 w5 w9 w2 w3 w4"  # the tiny model's greedy rep
 def spans(out: str) -> list[tuple[str, str]]:
     """(class, text) of every highlight span, in order."""
     return SPAN.findall(out)
-
-
-class _Elements(HTMLParser):
-    def __init__(self):
-        super().__init__()
-        self.found: list[tuple[str, dict]] = []
-
-    def handle_starttag(self, tag, attrs):
-        self.found.append((tag, dict(attrs)))
-
-
-def elements(out: str) -> list[tuple[str, dict]]:
-    parser = _Elements()
-    parser.feed(out)
-    return parser.found
 
 
 class CharTokenizer:

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import html
 import re
-from html.parser import HTMLParser
+
+from html_checks import elements
 
 from app import markdown_render
 from app.highlight import Reply, plain_text, render
@@ -24,22 +25,6 @@ ACC = re.compile(r'<span class="acc">(.*?)</span>')
 def highlighted(out: str) -> list[str]:
     """The texts inside highlight spans, in order."""
     return [html.unescape(s) for s in ACC.findall(out)]
-
-
-class _Elements(HTMLParser):
-    def __init__(self):
-        super().__init__()
-        self.found: list[tuple[str, dict]] = []
-
-    def handle_starttag(self, tag, attrs):
-        self.found.append((tag, dict(attrs)))
-
-
-def elements(out: str) -> list[tuple[str, dict]]:
-    """Every element of `out` as (tag, attributes), as a browser would build them."""
-    parser = _Elements()
-    parser.feed(out)
-    return parser.found
 
 
 def words(s: str) -> str:
