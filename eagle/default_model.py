@@ -25,6 +25,7 @@ then read the file's Q4_1 and Q8_0 blocks instead of the float32 weights
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import os
@@ -85,8 +86,7 @@ def gguf_weights_folder(folder: str | os.PathLike, gguf: str | os.PathLike, weig
     config_path = target / "config.json"
     if config_path.is_file() and json.loads(config_path.read_text()).get(GGUF_CONFIG_KEY) == str(gguf):
         return target
-    tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{target.name}.tmp-"))
-    try:
+    with _built_beside(target) as tmp:
         for path in folder.iterdir():
             if path.name not in ("config.json", MARKER):
                 (tmp / path.name).symlink_to(path.resolve())
@@ -94,13 +94,23 @@ def gguf_weights_folder(folder: str | os.PathLike, gguf: str | os.PathLike, weig
         config[GGUF_CONFIG_KEY] = str(gguf)
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         tmp.chmod(0o755)
-        if target.exists():
-            shutil.rmtree(target)
-        os.rename(tmp, target)
+    return target
+
+
+@contextlib.contextmanager
+def _built_beside(target: Path):
+    """A temporary folder next to `target` to build it in: when the block ends, renamed into place (replacing an
+    older `target`) unless the block removed it; removed if the block raises. Readers never see half a folder."""
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}.tmp-"))
+    try:
+        yield tmp
+        if tmp.exists():
+            if target.exists():
+                shutil.rmtree(target)
+            os.rename(tmp, target)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return target
 
 
 def _try_hub() -> str | None:
@@ -137,8 +147,7 @@ def convert_gguf(gguf_path: str | os.PathLike, folder: str | os.PathLike) -> Pat
         tokenizer.model_max_length = model.config.max_position_embeddings
 
     folder.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name}.tmp-"))
-    try:
+    with _built_beside(folder) as tmp:  # replaces a stale folder without marker
         save_plain_folder(model, tokenizer, tmp)
         _check_reload(model, tokenizer, tmp)
         (tmp / MARKER).write_text(
@@ -151,13 +160,6 @@ def convert_gguf(gguf_path: str | os.PathLike, folder: str | os.PathLike) -> Pat
             path.chmod(0o755 if path.is_dir() else 0o644)
         if (folder / MARKER).is_file():  # another process finished first: keep its folder
             shutil.rmtree(tmp)
-            return folder
-        if folder.exists():  # a stale folder without marker
-            shutil.rmtree(folder)
-        os.rename(tmp, folder)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return folder
 
 
