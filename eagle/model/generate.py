@@ -17,7 +17,7 @@ from .base import BaseModel
 from .context_draft import ContextDrafter
 from .masks import tree_mask
 from .draft import Drafter
-from .round_steps import DeviceTree, attach_chain
+from .round_steps import DeviceTree, TreeShape, attach_chain
 from .transfer import to_device
 from .tree import DraftTree, TreeDraft
 from .verify import TokenPicker, accept
@@ -52,7 +52,9 @@ class TreeSpec:
 
     @property
     def max_depth(self) -> int:  # the head's deepest node
-        return max(map(len, self.choices)) if self.choices else min(self.depth, self.total_token - 2) + 1
+        if self.choices:
+            return max(map(len, self.choices))
+        return TreeShape.of(self.total_token, self.depth, self.top_k).head_depth
 
     @property
     def max_nodes(self) -> int:  # with a context chain's
