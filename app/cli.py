@@ -41,9 +41,9 @@ def parser() -> argparse.ArgumentParser:
                    "else the base's")  # fmt: skip
     p.add_argument("--weights", default="fp32", choices=WEIGHTS,
                    help="the base's weights on CPU: fp32 (default), or q4_1 = the GGUF's own 4-bit blocks (and its "
-                   "8-bit embedding) read by the panel kernel, the same model bit for bit: plain decoding is faster "
-                   "there, EAGLE not yet (BENCHMARKS.md); auto = q4_1 for the embedded default converted from its "
-                   "GGUF, else fp32 (the Model panel says which)")  # fmt: skip
+                   "8-bit embedding) read by the panel kernel, inputs rounded to 16 bits: vanilla and EAGLE decode "
+                   "faster than at fp32, EAGLE not yet faster than vanilla there (BENCHMARKS.md); auto = q4_1 for "
+                   "the embedded default converted from its GGUF, else fp32 (the Model panel says which)")  # fmt: skip
     p.add_argument("--device-map", default=None, help="transformers device_map (default: auto on GPU, cpu)")
     p.add_argument("--compile", default="auto", choices=COMPILE_MODES,
                    help="compiled rounds (CPU: inductor; CUDA: CUDA graphs), prepared in the background while the "
@@ -177,27 +177,34 @@ def start_compiled_rounds(engine, loaded, mode: str, log=lambda line: print(f"[c
 
 
 def compile_spec(loaded):
-    """The graphs to compile for the loaded model: the base's buckets up to the tree's size (at least one verify
-    bucket), the draft's up to what a level or a commit of the tree spans, the head in one dtype: the base's where
-    the panel kernel runs here (a float32 head's linears then take it in the graphs), else the head's own."""
+    """The graphs to compile for the loaded model: the base's 1-row step, its tree's verify bucket, the 8-row one
+    (and the 4-row one where the base reads GGUF blocks), the draft's up to what a level or a commit of the tree
+    spans, the head in one dtype: with Q8_0 weights where the panel kernel runs under a float32 base (its quantized
+    kernel reads them in the graphs), else the head's own."""
     import torch
 
     from eagle.model import few_rows
     from eagle.model.compiled import BUCKETS, bucket_for
     from eagle.model.compiled_draft import DRAFT_BUCKETS
+    from eagle.model.tuner import quantized_head_pays
 
     from .precompile import CompileSpec
 
     model, tree = loaded.model, loaded.model.tree
     panel = "panel" in few_rows.usable_kernels() and model.base.dtype == torch.float32
-    draft_dtype = loaded.dtype if panel else model.ea_layer.dtype_name
+    # a large head with Q8_0 weights (a quarter of the bytes a draft pass reads: its round draft step timed fastest
+    # here, BENCHMARKS.md), else the base's dtype where the panel kernel runs, else the head's own
+    quantized = quantized_head_pays(model.base.dtype, model.ea_layer)
+    draft_dtype = "q8_0" if quantized else loaded.dtype if panel else model.ea_layer.dtype_name
     verify = bucket_for(min(tree.max_nodes, max(BUCKETS)), BUCKETS)
+    # a base reading GGUF blocks verifies 4 rows for much less than 8: its 4-row graph lets the tuner price 4-node trees
+    quantized_base = few_rows.reads_gguf_blocks(model.base_model)
     draft = bucket_for(min(max(tree.top_k, tree.depth + 1), max(DRAFT_BUCKETS)), DRAFT_BUCKETS)
     return CompileSpec(
         base_path=os.path.realpath(loaded.base_path), head_path=os.path.realpath(loaded.head_path), dtype=loaded.dtype,
         draft_dtype=draft_dtype,
         few_row_plan=few_rows.plan_of(model.base_model), threads=torch.get_num_threads(),
-        base_buckets=tuple(b for b in BUCKETS if b <= max(verify, 8)),
+        base_buckets=tuple(sorted({1, 8, verify} | ({4} if quantized_base else set()))),
         draft_buckets=tuple(b for b in DRAFT_BUCKETS if b <= draft),
     )  # fmt: skip
 

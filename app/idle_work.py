@@ -174,8 +174,6 @@ def compiled_rounds(engine, child, spec, mode: str, log) -> Iterator[str | Loadi
     """Wait for `child` (a ChildCompile, or None when the graphs are in the cache already), load the graphs from the
     cache a graph a unit, decide (mode "auto": only where compiled forwards measure faster, idle and stable), then
     tune the tree and time vanilla decoding with them, and put them in use."""
-    import torch
-
     from eagle.model import runners
 
     from .precompile import graph_name, load_compiled_head
@@ -189,7 +187,7 @@ def compiled_rounds(engine, child, spec, mode: str, log) -> Iterator[str | Loadi
         yield Loading(f"loading the compiled graphs: {i + 1} of {len(graphs)} ({rows}-row {kind})")
         if base_graphs is None:
             base_graphs = runners.decode_graphs(model.base, spec.base_buckets)
-            head = load_compiled_head(model.base_model, spec.head_path, getattr(torch, spec.draft_dtype))
+            head = load_compiled_head(model.base_model, spec.head_path, spec.draft_dtype)
             draft_graphs = model.compile_draft(spec.draft_buckets, head=head)
         seconds = (base_graphs if kind == "base" else draft_graphs).warm(rows=[rows])[rows]
         log(f"loaded the {rows}-row {kind} graph in {seconds:.1f} s")

@@ -234,14 +234,23 @@ def lowest_priority() -> None:
         pass
 
 
-def load_compiled_head(base_model, head_path: str, dtype):
-    """The head as the compiled draft steps freeze it: read from its checkpoint in `dtype` (never a cast of another
-    dtype's copy, whose rounding would change the weights and so the graphs' cache keys)."""
+def load_compiled_head(base_model, head_path: str, dtype_name: str):
+    """The head as the compiled draft steps freeze it: read from its checkpoint in `dtype_name` ("float32",
+    "bfloat16", ...; never a cast of another dtype's copy, whose rounding would change the weights and so the
+    graphs' cache keys), or "q8_0": in float32, its linears then rounded to Q8_0 blocks (few_rows.quantize)."""
+    import torch
+
+    from eagle.model import few_rows, quant_panels
     from eagle.model.checkpoint import read_checkpoint
     from eagle.model.ea_model import load_head
 
+    quantized = dtype_name == quant_panels.NAMES[quant_panels.Q8_0]
     config, state = read_checkpoint(head_path)
-    return load_head(base_model, config, state, None, dtype)
+    head = load_head(base_model, config, state, None, torch.float32 if quantized else getattr(torch, dtype_name))
+    if quantized:
+        few_rows.install(head, few_rows.uniform_plan("panel"))
+        few_rows.quantize(head, quant_panels.Q8_0)
+    return head
 
 
 def compile_graphs(spec: CompileSpec, share: list[tuple[str, int]], on_graph=lambda kind, rows, seconds: None) -> None:
@@ -257,7 +266,7 @@ def compile_graphs(spec: CompileSpec, share: list[tuple[str, int]], on_graph=lam
     model = EaModel.from_pretrained(spec.base_path, spec.head_path, total_token=8, depth=2, top_k=2,
                                     dtype=getattr(torch, spec.dtype), few_row_kernels=plan, **spec.extra)  # fmt: skip
     _emit(event="loaded", seconds=round(time.perf_counter() - t0, 1))
-    head = load_compiled_head(model.base_model, spec.head_path, getattr(torch, spec.draft_dtype))
+    head = load_compiled_head(model.base_model, spec.head_path, spec.draft_dtype)
     base_graphs = runners.decode_graphs(model.base, spec.base_buckets)
     draft_graphs = model.compile_draft(spec.draft_buckets, head=head)
     rounds = round_graphs(model, head, spec.round_tree, spec.round_chain) if spec.round_tree is not None else None

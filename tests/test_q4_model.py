@@ -1,6 +1,6 @@
 """A base whose config names a GGUF (eagle/model/quant_gguf.py) reads the file's Q4_1 / Q8_0 blocks in its CPU
-linears (few_rows.py): the same model as its float32 weights, bit for bit, and greedy EAGLE equal to greedy vanilla
-on it."""
+linears (few_rows.py): the same weights as its float32 copy, logits within the 16-bit rounding of the inputs, and
+greedy EAGLE equal to greedy vanilla on it."""
 
 import pytest
 import torch
@@ -37,8 +37,9 @@ def test_the_layers_read_the_gguf_blocks_and_compute_what_float32_weights_do(tmp
         few_rows.set_plan(base, few_rows.uniform_plan("panel"))
         assert few_rows.weights_of(base) == "fp32"
         fp32 = [base(ids[:, : n + 1]).logits for n in range(ids.shape[1])]
-    assert all(torch.equal(q, f) for q, f in zip(quantized, fp32))  # the same sums of the same weights
-    torch.testing.assert_close(quantized[-1], plain, rtol=1e-4, atol=1e-4)
+    for q, f in zip(quantized, fp32):  # the same weights; the inputs rounded to 16 bits a block of 32
+        torch.testing.assert_close(q, f, rtol=0, atol=1e-3 * f.abs().max().item())
+    torch.testing.assert_close(fp32[-1], plain, rtol=1e-4, atol=1e-4)
 
 
 @needs_kernel

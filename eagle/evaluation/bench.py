@@ -25,7 +25,7 @@ from tqdm.auto import tqdm
 
 from eagle.model.tuner import cpu_description
 
-from .floor import floor, weight_bytes_per_token
+from .floor import floor, read_bytes_per_token
 from .methods import DEFAULT_METHODS, METHODS, Settings, load_assistant, make_runners, parse_methods
 from .models import add_model_args, device_name, exit_on_bad_options, load_from_args, log
 from .prompts import build_prompts
@@ -98,18 +98,6 @@ def load_questions(args) -> tuple[list[dict], str]:
     if not questions:
         raise ValueError(f"no questions to run from {source}")
     return questions, source
-
-
-def read_bytes_per_token(model) -> int:
-    """Bytes of weights a one-token forward reads where linears read GGUF blocks (eagle/model/few_rows.py): the
-    float32 weights of the others, the panels of those (blocks, scales and minimums)."""
-    from eagle.model import few_rows
-
-    total = weight_bytes_per_token(model)
-    for layer in model.modules():
-        if type(layer) is few_rows.FewRowLinear and layer.gguf is not None and layer.panels is not None:
-            total += layer.panels.nbytes - layer.weight.numel() * layer.weight.element_size()
-    return total
 
 
 def _first_difference(a: list[int], b: list[int]) -> int | None:

@@ -39,9 +39,22 @@ def weight_bytes_per_token(model: torch.nn.Module) -> int:
     return total
 
 
-def floor(model: torch.nn.Module, device: str = "cpu") -> dict:
-    """{bandwidth_gb_s, weight_mb, tokens_per_s, ms_per_token}: the plain-decoding bound on this machine."""
+def read_bytes_per_token(model) -> int:
+    """Bytes of weights a one-token forward reads where linears read GGUF blocks (eagle/model/few_rows.py): the
+    float32 weights of the others, the panels of those (blocks, scales and minimums)."""
+    from eagle.model import few_rows
+
+    total = weight_bytes_per_token(model)
+    for layer in model.modules():
+        if type(layer) is few_rows.FewRowLinear and layer.gguf is not None and layer.panels is not None:
+            total += layer.panels.nbytes - layer.weight.numel() * layer.weight.element_size()
+    return total
+
+
+def floor(model: torch.nn.Module, device: str = "cpu", weights: int | None = None) -> dict:
+    """{bandwidth_gb_s, weight_mb, tokens_per_s, ms_per_token}: the plain-decoding bound on this machine, for
+    `weights` bytes per token (default: the float32 weights, weight_bytes_per_token)."""
     bandwidth = stream_bandwidth(device)
-    weights = weight_bytes_per_token(model)
+    weights = weights or weight_bytes_per_token(model)
     return {"bandwidth_gb_s": bandwidth / 1e9, "weight_mb": weights / 1e6, "tokens_per_s": bandwidth / weights,
             "ms_per_token": 1e3 * weights / bandwidth}  # fmt: skip

@@ -23,7 +23,7 @@ import torch
 from eagle.model import few_rows
 from eagle.model.tuner import cpu_description
 
-from .floor import floor
+from .floor import floor, read_bytes_per_token
 from .models import add_model_args, device_name, exit_on_bad_options, load_from_args, log
 
 
@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> dict:
             raise ValueError("--rows, --context and --repeats must be >= 1")
         loaded = load_from_args(args, log, few_row_kernels="auto")  # the plan this machine measures best
     result = measure(loaded.model, rows, args.context, args.repeats)
-    bound = floor(loaded.model.base_model, loaded.device)
+    bound = floor(loaded.model.base_model, loaded.device, read_bytes_per_token(loaded.model.base_model))
     result.update(device=device_name(loaded.device), cpu=cpu_description(), floor=bound, model=loaded.describe(),
                   context=args.context)  # fmt: skip
     print(f"{result['device']}; base {result['model']['base']} ({loaded.dtype}, weights {loaded.weights}), "

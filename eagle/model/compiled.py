@@ -39,13 +39,16 @@ import torch
 from . import few_rows
 from .masks import additive_mask
 
-BUCKETS = (1, 8, 16)
+BUCKETS = (1, 4, 8, 16)
 # inductor's GEMM backends, tried in order: the first whose graphs compile is kept (see the module docstring)
 GEMM_BACKENDS = ("CPP", "CPP,ATEN", "ATEN")
 # inductor options of every graph (with the bucket's GEMM backends). cpp_wrapper: the graph's kernel calls are
 # made from C++, not from a Python function. Timings measured with other options are not reused (the tuner's cache
 # keys name them).
 OPTIONS = {"freezing": True, "max_autotune": True, "cpp_wrapper": True}
+# graphs dynamo keeps per function: at least every bucket of every model and head a process compiles (three draft
+# heads of four buckets each exceed its default of 8, and a function past the limit runs eagerly)
+RECOMPILE_LIMIT = 64
 
 
 def use_project_inductor_cache() -> str:
@@ -185,7 +188,7 @@ class BucketGraphs:
                 with torch._inductor.config.patch(options), torch.compiler.config.patch(cache_key_tag=tag):
                     # every call, not only the tracing one: dynamo guards on the variable, so a call outside the
                     # scope would fail its graph's guards and trace another
-                    with kv_heads_shared():
+                    with kv_heads_shared(), torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
                         return graph(*args)
 
             self.graphs[rows] = call

@@ -26,6 +26,8 @@ from transformers import LlamaConfig
 from transformers.activations import ACT2FN
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
+from . import quant_panels
+
 
 VARIANT_DEFAULTS = {
     "norm_before_fc": False, "fc_norm": False, "norm_before_residual": False, "hidden_input_norm": False,
@@ -287,8 +289,10 @@ class DraftHead(nn.Module):
 
     @property
     def dtype_name(self) -> str:
-        """The weights' dtype as options and logs write it: "float32", "bfloat16"."""
-        return str(self.fc.weight.dtype).removeprefix("torch.")
+        """The weights' dtype as options and logs write it: "float32", "bfloat16", or the GGUF block type its linears
+        read ("q8_0", few_rows.quantize)."""
+        kinds = {quant_panels.NAMES[m.gguf[0]] for m in self.modules() if getattr(m, "gguf", None) is not None}
+        return "/".join(sorted(kinds)) or str(self.fc.weight.dtype).removeprefix("torch.")
 
     @property
     def layer(self) -> DraftLayer:

@@ -17,10 +17,11 @@ is memory bandwidth, and which kernel streams best depends on the CPU and the ro
   copy of each weight, kept only while it fits as "packed"'s is; it is also the kernel inside compiled graphs
   (compiled.py), where inductor calls it as an operator. A layer whose base names a GGUF (quant_gguf.py: the
   embedded default at its own precision, `--weights q4_1`) has its GGUF blocks (`gguf`) and its panels made of
-  them: the same kernel reading 4-bit (Q4_1) or 8-bit (Q8_0) blocks and dequantizing them in registers to exactly
-  the float32 weight (quant_linear.cpp); such a model's plan defaults to "panel" for every row count.
+  them: a kernel of the same layout reading 4-bit (Q4_1) or 8-bit (Q8_0) blocks as integers, its inputs rounded to
+  16 bits a block (quant_linear.cpp); such a model's plan defaults to "panel" for every row count.
 A *plan* maps each row count to a kernel: `DEFAULT_PLAN` without a measurement, or the fastest kernel per row
-count as timed on this machine (`tuner.few_row_plan`). Rows beyond MAX_ROWS always take F.linear.
+count as timed on this machine (`tuner.few_row_plan`). Rows beyond MAX_ROWS take F.linear, except in layers with
+GGUF blocks, which take their kernel at every row count (one arithmetic for prefill, steps and verify passes).
 
 The results equal F.linear up to float32 rounding (a different summation order), the same kind of difference a
 batched tree verification already has against one-row decoding. The plan applies only inside `few_row_kernels()`
@@ -36,7 +37,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from . import panel_kernel, quant_gguf, quant_panels
+from . import panel_kernel, quant_gguf, quant_panels, row_attention
 
 PACKED_ROWS = 16
 MAX_ROWS = PACKED_ROWS
@@ -93,7 +94,9 @@ class FewRowLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
         compiling = torch.compiler.is_compiling()
-        if compiling:  # in a graph: the panel kernel, or inductor's own GEMMs
+        if self.gguf is not None and self.panels is not None and (compiling or _enabled.get()):
+            kernel = "panel"  # GGUF blocks at every row count: one kernel, so one arithmetic for every pass
+        elif compiling:  # in a graph: the panel kernel, or inductor's own GEMMs
             kernel = "panel" if self.plan.get(rows) == "panel" else "linear"
         else:
             kernel = self.plan.get(rows, "linear") if _enabled.get() else "linear"
@@ -171,7 +174,36 @@ def install(model: nn.Module, plan: dict[int, str] | None = None) -> int:
     if n:
         quantized = any(layer.gguf is not None for layer in layers.values())
         set_plan(model, plan if plan is not None else uniform_plan("panel") if quantized else DEFAULT_PLAN)
+        if quantized:  # its rounded inputs need every other step batch-invariant too (row_attention.py)
+            row_attention.install(model)
     return n
+
+
+@torch.no_grad()
+def quantize(model: nn.Module, qtype: int = quant_panels.Q8_0) -> int:
+    """Round the few-row layers of `model` whose input width is a multiple of 32 to GGUF blocks of `qtype` (gguf-py's
+    quantizer), for a draft head: each weight becomes its blocks dequantized (the values the quantized kernel
+    multiplies) and its panels are made of the blocks, a quarter of the float32 bytes with Q8_0. The drafts change
+    a little, the output never (the base verifies every token). Returns how many layers."""
+    import gguf
+
+    n = 0
+    for layer in _layers(model):
+        if layer.in_features % quant_panels.BLOCK:
+            continue
+        quantized = gguf.quantize(layer.weight.detach().float().numpy(), gguf.GGMLQuantizationType(qtype))
+        blocks = torch.from_numpy(quantized).reshape(layer.out_features, -1)  # [N, K / 32 * bytes per block]
+        layer.weight.copy_(quant_panels.dequantize(qtype, blocks))
+        layer.gguf, layer.panels, layer.siblings = (qtype, blocks), None, None
+        n += 1
+    if n:
+        set_plan(model, uniform_plan("panel"))
+    return n
+
+
+def reads_gguf_blocks(model: nn.Module) -> bool:
+    """Whether some few-row layer of `model` reads GGUF blocks (the quantized kernel) now."""
+    return any(layer.gguf is not None and layer.panels is not None for layer in _layers(model))
 
 
 def weights_of(model: nn.Module) -> str:
@@ -287,6 +319,7 @@ def uninstall(model: nn.Module) -> int:
         module.__class__ = nn.Linear
         del module.plan, module.packed, module.panels, module.siblings, module.gguf
         n += 1
+    row_attention.uninstall(model)
     return n
 
 

@@ -28,8 +28,9 @@ from pathlib import Path
 import torch
 
 SOURCE = Path(__file__).with_name("panel_linear.cpp")
-# built into the same library: the kernel over weights kept in GGUF blocks (quant_panels.py)
-SOURCES = (SOURCE, Path(__file__).with_name("quant_linear.cpp"))
+# built into the same library: the kernel over weights kept in GGUF blocks (quant_panels.py) and the batch-invariant
+# attention of the bases that use it (row_attention.py)
+SOURCES = (SOURCE, Path(__file__).with_name("quant_linear.cpp"), Path(__file__).with_name("row_attention.cpp"))
 _lock = threading.Lock()
 _state: dict = {}  # "ok": bool once tried; "why": the reason it is unavailable; "path": the library loaded
 
@@ -96,6 +97,7 @@ def _build_and_load() -> None:
     torch.ops.load_library(str(path))
     torch.library.register_fake("eagle::panel_linear")(_panel_linear_shape)  # shapes for tracing (compiled.py)
     torch.library.register_fake("eagle::quant_panel_linear")(_quant_panel_linear_shape)
+    torch.library.register_fake("eagle::row_attention")(_row_attention_shape)
     _state["path"] = path
 
 
@@ -138,3 +140,7 @@ def _panel_linear_shape(x, panels, bias, out_features):
 
 def _quant_panel_linear_shape(x, panels, bias, out_features, qtype):
     return x.new_empty(*x.shape[:-1], out_features)
+
+
+def _row_attention_shape(q, k, v, mask, scale):
+    return q.new_empty(q.shape[0], q.shape[2], q.shape[1], q.shape[3])

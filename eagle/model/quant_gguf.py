@@ -3,8 +3,9 @@
 A base folder converted from a GGUF (eagle/default_model.py) names its GGUF in config.json under CONFIG_KEY;
 `few_rows.install` then gives each linear layer whose weight the file keeps as Q4_1 or Q8_0 those blocks
 (`blocks_for`), and its panel copy is made of them. Invariant, checked here for every layer: the blocks dequantize
-(as gguf-py does) to exactly the layer's float32 weight, so the model is the same model whichever copy a forward
-reads. A layer whose weight the file keeps in another type (F32, a K-quant) keeps float32 panels.
+(as gguf-py does) to exactly the layer's float32 weight, so both copies hold the same weights (the quantized kernel
+rounds the inputs to 16 bits a block: quant_linear.cpp). A layer whose weight the file keeps in another type (F32,
+a K-quant) keeps float32 panels.
 """
 
 from __future__ import annotations

@@ -4,7 +4,8 @@ A GGUF block holds 32 consecutive weights of one output row: Q4_1 an fp16 scale 
 4-bit q (w = d * q + m), Q8_0 an fp16 scale d and 32 int8 q (w = d * q). `blocks` here are a weight's blocks as
 the file stores them, uint8 [N, K / 32 * BLOCK_BYTES[qtype]], rows in the model's order. `pack` regroups them as
 column panels of `width()` columns, the kernel's layout; `dequantize` gives the float32 weight exactly as gguf-py
-(and so transformers' GGUF loading) computes it, the values the kernel uses.
+(and so transformers' GGUF loading) computes it: the weights the kernel multiplies (q as integers, then d and m),
+with the inputs rounded to 16 bits a block (quant_linear.cpp states the bound).
 """
 
 from __future__ import annotations
@@ -49,7 +50,8 @@ def dequantize(qtype: int, blocks: torch.Tensor) -> torch.Tensor:
 def pack(qtype: int, blocks: torch.Tensor, nb: int | None = None) -> torch.Tensor:
     """blocks uint8 [N, K / 32 * BLOCK_BYTES] -> panels uint8 [ceil(N / NB), K / 32 * BLOCK_BYTES * NB] (a new
     tensor; zero columns past N: d = m = q = 0, weights 0). Per panel, block after block: d[NB] fp16, (Q4_1) m[NB]
-    fp16, then Q4_1 16 k-pairs x NB bytes (q[2i] | q[2i + 1] << 4), Q8_0 32 k x NB int8."""
+    fp16, then Q4_1 4 groups of 8 k x NB uint32 words (the group's q[k + 2p] in bits 4p..4p+3, q[k + 2p + 1] in
+    bits 16+4p..19+4p), Q8_0 16 k-pairs x NB int8 pairs (q[2i], q[2i + 1]): quant_linear.cpp's layout."""
     nb = nb or width()
     d, m, q = _split(qtype, blocks)
     n, nblocks = d.shape
@@ -63,10 +65,12 @@ def pack(qtype: int, blocks: torch.Tensor, nb: int | None = None) -> torch.Tenso
 
     parts = [panels(d)]  # [P, nblocks, 2 NB]
     if qtype == Q4_1:
-        q = q.to(torch.uint8)
-        parts += [panels(m), panels(q[..., 0::2] | (q[..., 1::2] << 4))]  # [P, nblocks, 2 NB], [.., 16 NB]
+        pairs = q.to(torch.int32).view(n, nblocks, 4, 4, 2)  # [N, nblocks, group, p, k + 2p | k + 2p + 1]
+        shifts = 4 * torch.arange(4, dtype=torch.int32)  # [p]
+        words = ((pairs[..., 0] << shifts) | (pairs[..., 1] << (shifts + 16))).sum(-1, dtype=torch.int32)
+        parts += [panels(m), panels(words)]  # [P, nblocks, 2 NB], [.., 16 NB]: words [N, nblocks, 4]
     else:
-        parts.append(panels(q))  # [P, nblocks, 32 NB]
+        parts.append(panels(q.contiguous().view(torch.int16)))  # [P, nblocks, 32 NB]: pairs [N, nblocks, 16]
     return torch.cat(parts, dim=-1).reshape(p, -1)  # [P, nblocks * BLOCK_BYTES * NB]
 
 

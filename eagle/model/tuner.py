@@ -140,7 +140,7 @@ def _cache_key(model, head: bool = True) -> str:
     }  # fmt: skip
     if head:
         what |= {
-            "head": str(model.ea_layer.config), "head_dtype": str(model.ea_layer.fc.weight.dtype),
+            "head": str(model.ea_layer.config), "head_dtype": model.ea_layer.dtype_name,
             "compiled_draft": model.compiled_draft.buckets if model.compiled_draft is not None else None,
         }  # fmt: skip
     compiled = model.base.compiled is not None or (head and model.compiled_draft is not None)
@@ -328,15 +328,38 @@ def compile_rounds(model, mode: str, log, swap=None) -> bool | None:
     return install() if swap is None else swap(install)
 
 
+# a float32 head of at least this many bytes is also offered with Q8_0 weights (smaller ones stay in the caches)
+QUANTIZED_HEAD_MIN_BYTES = 8 << 20
+
+
+def quantized_head_pays(base_dtype: torch.dtype, head) -> bool:
+    """Whether a float32 copy of `head` with Q8_0 weights (few_rows.quantize) may draft faster: under a float32 base
+    on CPU, where the panel kernel runs, for a head whose float32 weights outgrow the caches."""
+    from . import few_rows
+
+    float32_bytes = 4 * sum(p.numel() for p in head.parameters())
+    return (base_dtype == torch.float32 and head.fc.weight.device.type == "cpu"
+            and float32_bytes >= QUANTIZED_HEAD_MIN_BYTES and "panel" in few_rows.usable_kernels())  # fmt: skip
+
+
 def _compiled_drafts(model, log) -> list[tuple]:
     """(head, its CompiledDraft) in the head's dtype and, where that is not the base's (a bfloat16 head under a
     float32 base, picked by eager timing), in the base's: compiled kernels rank the two otherwise than eager ones
-    (BENCHMARKS.md). A dtype whose graphs fail to compile is left out, with one line in `log`."""
+    (BENCHMARKS.md); and a float32 copy with Q8_0 weights where `quantized_head_pays`. A head whose graphs fail to
+    compile is left out, with one line in `log`."""
     import copy
+
+    from . import few_rows, quant_panels
 
     heads = [model.ea_layer]
     if model.ea_layer.fc.weight.dtype != model.base.dtype:
         heads.append(copy.deepcopy(model.ea_layer).to(model.base.dtype))
+    if quantized_head_pays(model.base.dtype, heads[-1]):
+        # and with Q8_0 weights: a draft step reads the head's weights at every level, a quarter of the bytes
+        q8 = copy.deepcopy(heads[-1])
+        few_rows.install(q8, few_rows.uniform_plan("panel"))
+        few_rows.quantize(q8, quant_panels.Q8_0)
+        heads.append(q8)
     drafts = []
     for head in heads:
         try:

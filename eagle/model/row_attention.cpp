@@ -1,0 +1,198 @@
+// eagle::row_attention(q, k, v, mask, scale): softmax(q k^T * scale + mask) v for the few rows of a decode step, a
+// tree verification or a prefill, each row computed on its own; built with panel_linear.cpp into one library
+// (eagle/model/panel_kernel.py), used by eagle/model/row_attention.py.
+//
+// Invariant (batch invariance): a row's output depends only on its query and on the sequence of keys it may see
+// (mask value above BLOCKED), taken in cache order with the blocked ones left out. A tree node whose ancestors are
+// the tokens greedy decoding would have put before it gets, bit for bit, what the one-row step of that token gets:
+// the same keys in the same order, the same operations. (Library attention sums a row over every cached position
+// in vector lanes fixed by position, so the masked gaps of a tree shift the lanes of the later keys.)
+//
+// Per row and query head: the allowed keys gathered (n of them); scores s[c] = dot(q, k[c]) * scale + mask, each
+// dot summed in VL lanes over d then the lanes in a fixed order; max; p[c] = exp(s[c] - max) (a polynomial,
+// vectorised); sum of p in VL lanes by c then in a fixed order; out = sum_c p[c] v[c] in c order, / the sum.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+namespace {
+
+#ifdef __AVX512F__
+constexpr int VL = 16;
+#else
+constexpr int VL = 8;
+#endif
+typedef float vec __attribute__((vector_size(VL * sizeof(float))));
+typedef int32_t ivec __attribute__((vector_size(VL * sizeof(int32_t))));
+typedef float vec_u __attribute__((vector_size(VL * sizeof(float)), aligned(4), may_alias));
+constexpr float BLOCKED = -1e30f;  // an additive mask value at or below this hides the key (finfo.min, -inf)
+
+static inline vec loadu(const float* p) { return *reinterpret_cast<const vec_u*>(p); }
+static inline void storeu(float* p, vec a) { *reinterpret_cast<vec_u*>(p) = a; }
+static inline vec splat(float a) { return vec{} + a; }
+static inline float lanes_sum(vec a) {  // a fixed order: pairwise halves, lane i + w onto lane i
+  typedef float v8 __attribute__((vector_size(8 * sizeof(float))));
+  typedef float v4 __attribute__((vector_size(4 * sizeof(float))));
+#ifdef __AVX512F__
+  const v8 b = __builtin_shufflevector(a, a, 0, 1, 2, 3, 4, 5, 6, 7) +
+               __builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15);
+#else
+  const v8 b = a;
+#endif
+  const v4 c = __builtin_shufflevector(b, b, 0, 1, 2, 3) + __builtin_shufflevector(b, b, 4, 5, 6, 7);
+  return (c[0] + c[2]) + (c[1] + c[3]);
+}
+
+// e^x for x <= 0 (scores minus their max): 2^n * p(r), r = x - n ln2 in [-ln2/2, ln2/2], p of degree 6
+// (the series' remainder below 1.3e-7 of the result); x below -87 gives 0.
+static inline vec exp_nonpositive(vec x) {
+  const vec n = __builtin_convertvector(__builtin_convertvector(x * 1.44269504f + splat(-0.5f), ivec), vec);
+  // n = round-half-down(x log2 e) without a rounding intrinsic: truncation toward zero of x log2 e - 0.5
+  const vec r = (x - n * 0.693145752f) - n * 1.42860677e-6f;
+  vec p = splat(1.f / 720);
+  p = p * r + 1.f / 120;
+  p = p * r + 1.f / 24;
+  p = p * r + 1.f / 6;
+  p = p * r + 0.5f;
+  p = p * r + 1.f;
+  p = p * r + 1.f;
+  const ivec bits = (__builtin_convertvector(n, ivec) + 127) << 23;  // 2^n
+  vec scale;
+  __builtin_memcpy(&scale, &bits, sizeof scale);
+  vec e = p * scale;
+  return x < -87.f ? vec{} : e;
+}
+
+// q . k over d: VL lanes over d (then the lanes in lanes_sum's order), the tail after them
+static inline float dot(const float* q, const float* k, int64_t D) {
+  vec acc{};
+  int64_t d = 0;
+  for (; d + VL <= D; d += VL) acc += loadu(q + d) * loadu(k + d);
+  float sum = lanes_sum(acc);
+  for (; d < D; d++) sum += q[d] * k[d];
+  return sum;
+}
+
+// out[D] = sum_c p[c] v[keys[c]] in c order (NV = D / VL vectors held in registers; 0: any D, in memory)
+template <int NV>
+void weighted_sum(const float* p, const int64_t* keys, int64_t n, const float* v, float* out, int64_t D = NV * VL) {
+  if constexpr (NV > 0) {
+    vec acc[NV] = {};
+    for (int64_t c = 0; c < n; c++) {
+      const float* vj = v + keys[c] * D;
+      for (int i = 0; i < NV; i++) acc[i] += p[c] * loadu(vj + i * VL);
+    }
+    for (int i = 0; i < NV; i++) storeu(out + i * VL, acc[i]);
+  } else {
+    std::fill(out, out + D, 0.f);
+    for (int64_t c = 0; c < n; c++) {
+      const float* vj = v + keys[c] * D;
+      int64_t d = 0;
+      for (; d + VL <= D; d += VL) storeu(out + d, loadu(out + d) + p[c] * loadu(vj + d));
+      for (; d < D; d++) out[d] += p[c] * vj[d];
+    }
+  }
+}
+
+at::Tensor row_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                         const std::optional<at::Tensor>& mask, double scale) {
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && q.size(0) == 1 && k.size(0) == 1 && v.size(0) == 1,
+              "eagle::row_attention takes q [1, Hq, M, D], k and v [1, Hkv, L, D] (got ", q.sizes(), ", ", k.sizes(),
+              ", ", v.sizes(), ")");
+  TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat,
+              "eagle::row_attention takes float32 q, k, v");
+  const int64_t H = q.size(1), M = q.size(2), D = q.size(3), Hkv = k.size(1), L = k.size(2);
+  TORCH_CHECK(k.size(3) == D && v.size(3) == D && v.size(2) == L && v.size(1) == Hkv && H % Hkv == 0,
+              "eagle::row_attention: shapes do not match (q ", q.sizes(), ", k ", k.sizes(), ", v ", v.sizes(), ")");
+  // k and v as the cache holds them (a view of the first L rows of its buffers): read in place where each row's D
+  // values are contiguous
+  const at::Tensor qc = q.contiguous();
+  const at::Tensor kc = k.stride(3) == 1 && k.stride(2) == D ? k : k.contiguous();
+  const at::Tensor vc = v.stride(3) == 1 && v.stride(2) == D ? v : v.contiguous();
+  const int64_t khs = kc.stride(1), vhs = vc.stride(1);  // head strides
+  at::Tensor mc;
+  if (mask.has_value() && mask->defined()) {
+    mc = mask->contiguous();
+    TORCH_CHECK(mc.dim() == 4 && mc.size(0) == 1 && mc.size(1) == 1 && mc.size(2) == M && mc.size(3) >= L &&
+                    (mc.scalar_type() == at::kFloat || mc.scalar_type() == at::kBool),
+                "eagle::row_attention: mask must be float32 (additive) or bool [1, 1, M, >= L], got ", mc.sizes(),
+                " ", mc.scalar_type());
+  }
+  at::Tensor out = at::empty({1, M, H, D}, q.options());
+  const float* qp = qc.data_ptr<float>();
+  const float* kp = kc.data_ptr<float>();
+  const float* vp = vc.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t lm = mc.defined() ? mc.size(3) : 0;
+  const bool additive = mc.defined() && mc.scalar_type() == at::kFloat;
+  const float* mf = additive ? mc.data_ptr<float>() : nullptr;
+  const bool* mb = mc.defined() && !additive ? mc.data_ptr<bool>() : nullptr;
+  const float sc = static_cast<float>(scale);
+  // each row's allowed keys, in cache order, and their mask values (shared by the row's heads); causal (no mask):
+  // j <= L - M + i
+  std::vector<int64_t> keys(M * L), count(M);
+  std::vector<float> added(M * L);
+  for (int64_t i = 0; i < M; i++) {
+    int64_t n = 0;
+    for (int64_t j = 0; j < L; j++) {
+      const float a = mf ? mf[i * lm + j] : 0.f;
+      const bool allowed = mf ? a > BLOCKED : mb ? mb[i * lm + j] : j <= L - M + i;
+      if (allowed) keys[i * L + n] = j, added[i * L + n] = a, n++;
+    }
+    count[i] = n;
+  }
+  at::parallel_for(0, M * H, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> s(L + VL), o(D + VL);
+    for (int64_t task = begin; task < end; task++) {
+      const int64_t i = task / H, h = task % H, g = h / (H / Hkv);
+      const float* qi = qp + (h * M + i) * D;
+      const float* kg = kp + g * khs;
+      const float* vg = vp + g * vhs;
+      const int64_t n = count[i];
+      const int64_t* row_keys = keys.data() + i * L;
+      std::copy(added.begin() + i * L, added.begin() + i * L + n, s.begin());
+      float top = -std::numeric_limits<float>::infinity();
+      for (int64_t c = 0; c < n; c++) {
+        s[c] = dot(qi, kg + row_keys[c] * D, D) * sc + s[c];
+        top = std::max(top, s[c]);
+      }
+      float* oi = op + (i * H + h) * D;
+      if (n == 0) {  // no key to see (never in the engine: every row sees itself): zeros
+        std::fill(oi, oi + D, 0.f);
+        continue;
+      }
+      vec lanes{};
+      for (int64_t c = 0; c < n; c += VL) {
+        vec x;
+        for (int l = 0; l < VL; l++) x[l] = c + l < n ? s[c + l] - top : -1e30f;
+        const vec p = exp_nonpositive(x);
+        storeu(s.data() + c, p);
+        lanes += p;
+      }
+      const float total = lanes_sum(lanes);
+      if (D == 4 * VL)
+        weighted_sum<4>(s.data(), row_keys, n, vg, o.data());
+      else if (D == 8 * VL)
+        weighted_sum<8>(s.data(), row_keys, n, vg, o.data());
+      else
+        weighted_sum<0>(s.data(), row_keys, n, vg, o.data(), D);
+      for (int64_t d = 0; d < D; d++) oi[d] = o[d] / total;
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(eagle, m) {
+  m.def("row_attention(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(eagle, CPU, m) { m.impl("row_attention", row_attention); }

@@ -1,0 +1,93 @@
+"""The batch-invariant attention of bases that read GGUF blocks (eagle/model/row_attention.py, row_attention.cpp):
+softmax attention within float32 rounding of SDPA, each row over only the keys it may see, in cache order, so a
+tree node's forward is bit for bit the one-row step of the same token."""
+
+import pytest
+import torch
+from q4_fixtures import quantized_tiny_base
+
+from eagle.model import few_rows, panel_kernel, row_attention
+from eagle.model.masks import additive_mask
+
+needs_kernel = pytest.mark.skipif(
+    not panel_kernel.available(), reason=f"panel kernel: {panel_kernel._state.get('why')}"
+)
+H, HKV, D, L = 6, 2, 64, 45
+
+
+def sdpa(q, k, v, allowed):  # float64 reference, key/value heads copied to their query heads
+    groups = q.shape[1] // k.shape[1]
+    k, v = (t.double().repeat_interleave(groups, 1) for t in (k, v))
+    out = torch.nn.functional.scaled_dot_product_attention(q.double(), k, v, attn_mask=allowed[None, None])
+    return out.transpose(1, 2)  # [1, M, H, D]
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 3, 8, 17])
+@pytest.mark.parametrize("d", [64, 40])
+def test_row_attention_is_sdpa_for_additive_bool_and_causal_masks(rows, d):
+    g = torch.Generator().manual_seed(rows * d)
+    q, k, v = torch.randn(1, H, rows, d, generator=g), torch.randn(1, HKV, L, d, generator=g), torch.randn(1, HKV, L, d, generator=g)
+    allowed = torch.rand(rows, L, generator=g) < 0.6
+    allowed[:, 0] = True
+    additive = additive_mask(allowed, torch.float32)  # [1, 1, rows, L]
+    out = torch.ops.eagle.row_attention(q, k, v, additive, d**-0.5)
+    assert out.shape == (1, rows, H, d)
+    torch.testing.assert_close(out.double(), sdpa(q, k, v, allowed), rtol=0, atol=2e-6)
+    assert torch.equal(torch.ops.eagle.row_attention(q, k, v, allowed[None, None], d**-0.5), out)
+    causal = torch.ones(rows, L, dtype=torch.bool).tril(L - rows)
+    torch.testing.assert_close(torch.ops.eagle.row_attention(q, k, v, None, d**-0.5).double(),
+                               sdpa(q, k, v, causal), rtol=0, atol=2e-6)  # fmt: skip
+
+
+@needs_kernel
+def test_a_row_over_masked_gaps_equals_the_row_over_its_keys_alone():
+    """Batch invariance: the keys a row may not see (a tree's other branches) and the other rows change nothing."""
+    g = torch.Generator().manual_seed(0)
+    rows = 5
+    q, k, v = torch.randn(1, H, rows, D, generator=g), torch.randn(1, HKV, L, D, generator=g), torch.randn(1, HKV, L, D, generator=g)
+    allowed = torch.rand(rows, L, generator=g) < 0.5
+    out = torch.ops.eagle.row_attention(q, k, v, allowed[None, None], D**-0.5)
+    for i in range(rows):
+        keys = allowed[i].nonzero()[:, 0]
+        alone = torch.ops.eagle.row_attention(q[:, :, i : i + 1], k[:, :, keys], v[:, :, keys], None, D**-0.5)
+        assert torch.equal(alone[0, 0], out[0, i])
+
+
+@needs_kernel
+def test_a_quantized_base_gives_a_tree_node_the_one_row_steps_logits_bit_for_bit(tmp_path):
+    base = quantized_tiny_base(tmp_path / "tiny.gguf", layers=3)
+    few_rows.install(base)
+    assert row_attention.installed(base)
+    ids = torch.randint(0, base.config.vocab_size, (1, 61), generator=torch.Generator().manual_seed(0))
+    ctx = 60  # (SDPA gives the tree node other logits here)
+    with torch.no_grad(), few_rows.few_row_kernels():
+        from transformers import DynamicCache
+
+        def prefilled():
+            cache = DynamicCache(config=base.config)
+            base(ids[:, :ctx], past_key_values=cache, use_cache=True)
+            return cache
+
+        one = base(ids[:, ctx : ctx + 1], past_key_values=prefilled(), use_cache=True).logits[0, -1]
+        # three siblings at the same position, each seeing the context and itself; the first is the token above
+        siblings = torch.tensor([[ids[0, ctx], 5, 7]])
+        allowed = torch.zeros(3, ctx + 3, dtype=torch.bool)
+        allowed[:, :ctx] = True
+        allowed[torch.arange(3), ctx + torch.arange(3)] = True
+        tree = base(siblings, position_ids=torch.full((1, 3), ctx), past_key_values=prefilled(), use_cache=True,
+                    attention_mask=additive_mask(allowed, torch.float32)).logits[0]  # fmt: skip
+    assert torch.equal(tree[0], one)
+    few_rows.uninstall(base)
+    assert not row_attention.installed(base) and base.config._attn_implementation == "sdpa"
+
+
+@needs_kernel
+def test_keys_and_values_are_read_in_place_from_a_longer_cache_buffer():
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(1, H, 2, D, generator=g)
+    buffers = torch.randn(2, 1, HKV, L + 20, D, generator=g)  # [k | v, 1, Hkv, capacity, D]
+    k, v = buffers[0, :, :, :L], buffers[1, :, :, :L]  # the cache's views of its first L rows
+    assert not k.is_contiguous()
+    out = torch.ops.eagle.row_attention(q, k, v, None, D**-0.5)
+    assert torch.equal(out, torch.ops.eagle.row_attention(q, k.contiguous(), v.contiguous(), None, D**-0.5))
