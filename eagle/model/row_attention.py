@@ -53,17 +53,17 @@ def install(model: nn.Module) -> bool:
     if not supported(model):
         return False
     _register()
-    model.config._row_attention_before = model.config._attn_implementation
+    if not installed(model):
+        model._row_attention_before = model.config._attn_implementation  # on the model: configs are saved
     model.set_attn_implementation(NAME)
     return True
 
 
 def uninstall(model: nn.Module) -> None:
-    config = getattr(model, "config", None)
-    before = getattr(config, "_row_attention_before", None)
+    before = getattr(model, "_row_attention_before", None)
     if before is not None:
         model.set_attn_implementation(before)
-        del model.config._row_attention_before
+        del model._row_attention_before
 
 
 def installed(model: nn.Module) -> bool:
