@@ -248,7 +248,6 @@ def load_compiled_head(base_model, head_path: str, dtype_name: str):
     config, state = read_checkpoint(head_path)
     head = load_head(base_model, config, state, None, torch.float32 if quantized else getattr(torch, dtype_name))
     if quantized:
-        few_rows.install(head, few_rows.uniform_plan("panel"))
         few_rows.quantize(head, quant_panels.Q8_0)
     return head
 

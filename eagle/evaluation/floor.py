@@ -46,7 +46,7 @@ def read_bytes_per_token(model) -> int:
 
     total = weight_bytes_per_token(model)
     for layer in model.modules():
-        if type(layer) is few_rows.FewRowLinear and layer.gguf is not None and layer.panels is not None:
+        if type(layer) is few_rows.FewRowLinear and layer.reads_gguf:
             total += layer.panels.nbytes - layer.weight.numel() * layer.weight.element_size()
     return total
 

@@ -91,10 +91,15 @@ class FewRowLinear(nn.Linear):
     gguf: tuple[int, torch.Tensor] | None
     siblings: "Siblings | None"
 
+    @property
+    def reads_gguf(self) -> bool:
+        """Whether the layer's kernel reads its GGUF blocks now (it has them and their panels)."""
+        return self.gguf is not None and self.panels is not None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
         compiling = torch.compiler.is_compiling()
-        if self.gguf is not None and self.panels is not None and (compiling or _enabled.get()):
+        if self.reads_gguf and (compiling or _enabled.get()):
             kernel = "panel"  # GGUF blocks at every row count: one kernel, so one arithmetic for every pass
         elif compiling:  # in a graph: the panel kernel, or inductor's own GEMMs
             kernel = "panel" if self.plan.get(rows) == "panel" else "linear"
@@ -181,12 +186,14 @@ def install(model: nn.Module, plan: dict[int, str] | None = None) -> int:
 
 @torch.no_grad()
 def quantize(model: nn.Module, qtype: int = quant_panels.Q8_0) -> int:
-    """Round the few-row layers of `model` whose input width is a multiple of 32 to GGUF blocks of `qtype` (gguf-py's
-    quantizer), for a draft head: each weight becomes its blocks dequantized (the values the quantized kernel
-    multiplies) and its panels are made of the blocks, a quarter of the float32 bytes with Q8_0. The drafts change
-    a little, the output never (the base verifies every token). Returns how many layers."""
+    """Round the float32 CPU linears of `model` (made few-row layers first, `install`) whose input width is a
+    multiple of 32 to GGUF blocks of `qtype` (gguf-py's quantizer), for a draft head: each weight becomes its blocks
+    dequantized (the values the quantized kernel multiplies) and its panels are made of the blocks, a quarter of the
+    float32 bytes with Q8_0. The drafts change a little, the output never (the base verifies every token). Returns
+    how many layers."""
     import gguf
 
+    install(model, uniform_plan("panel"))
     n = 0
     for layer in _layers(model):
         if layer.in_features % quant_panels.BLOCK:
@@ -203,7 +210,7 @@ def quantize(model: nn.Module, qtype: int = quant_panels.Q8_0) -> int:
 
 def reads_gguf_blocks(model: nn.Module) -> bool:
     """Whether some few-row layer of `model` reads GGUF blocks (the quantized kernel) now."""
-    return any(layer.gguf is not None and layer.panels is not None for layer in _layers(model))
+    return any(layer.reads_gguf for layer in _layers(model))
 
 
 def weights_of(model: nn.Module) -> str:
@@ -211,7 +218,7 @@ def weights_of(model: nn.Module) -> str:
     q8_0 (lm_head)") where few-row layers read GGUF blocks, else "fp32" (or the model's dtype)."""
     counts: dict[str, list[str]] = {}
     for name, layer in ((n, m) for n, m in model.named_modules() if type(m) is FewRowLinear):
-        if layer.gguf is not None and layer.panels is not None:
+        if layer.reads_gguf:
             counts.setdefault(quant_panels.NAMES[layer.gguf[0]], []).append(name)
     if not counts:
         dtype = next((p.dtype for p in model.parameters()), torch.float32)

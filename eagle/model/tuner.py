@@ -357,7 +357,6 @@ def _compiled_drafts(model, log) -> list[tuple]:
     if quantized_head_pays(model.base.dtype, heads[-1]):
         # and with Q8_0 weights: a draft step reads the head's weights at every level, a quarter of the bytes
         q8 = copy.deepcopy(heads[-1])
-        few_rows.install(q8, few_rows.uniform_plan("panel"))
         few_rows.quantize(q8, quant_panels.Q8_0)
         heads.append(q8)
     drafts = []
