@@ -1,0 +1,441 @@
+"""What a GPU round costs: steps, verify passes, EAGLE rounds, launches and host syncs per round, attention by
+context, and HF `generate` beside them, on bases built from a configuration with random weights.
+
+    python -m eagle.evaluation.gpu_costs --bases smollm2-135m,llama-3.2-1b,llama-3.1-8b --out out/gpu
+
+Speed does not depend on the weights' values, so nothing is downloaded: each base is built from its published
+configuration (random weights), its head is a random EAGLE-3 head of the published heads' shape (the embedded
+default's own head for `smollm2-135m`). Acceptance on random weights is meaningless, so a round's cost is measured
+at a fixed tree and the speedup is *projected*: tau x vanilla step / round, at the tau named per base (measured
+on the CPU for the embedded default's head, published for the others). Every generation runs a fixed number of
+tokens (no stop ids). The graphed path is the app's on CUDA (cuda_graphs.py); `--device cpu` runs the same code
+with capture off, as the tests do.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+from eagle.model.cuda_graphs import CAPACITY  # positions of the graphs' caches: a timed context + its rows fit
+
+ASSETS = Path(__file__).resolve().parents[2] / "assets"
+
+# transformers LlamaConfig fields of each base, the tau its projection uses and where that tau comes from
+BASES = {
+    "smollm2-135m": dict(
+        config=dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                    num_key_value_heads=3, head_dim=64, vocab_size=49152, tie_word_embeddings=True,
+                    rope_theta=100000.0, max_position_embeddings=8192, rms_norm_eps=1e-5),
+        head=ASSETS / "smollm2-eagle3", dtype="float16",
+        tau=2.92, tau_source="the shipped head, 80 MT-bench first turns at 60/7/10 (BENCHMARKS.md, CPU run)"),
+    "llama-3.2-1b": dict(
+        config=dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                    num_key_value_heads=8, head_dim=64, vocab_size=128256, tie_word_embeddings=True,
+                    rope_parameters=dict(rope_type="llama3", rope_theta=500000.0, factor=32.0, low_freq_factor=1.0,
+                                         high_freq_factor=4.0, original_max_position_embeddings=8192),
+                    max_position_embeddings=131072, rms_norm_eps=1e-5),
+        head=dict(intermediate_size=8192, draft_vocab_size=32000), dtype="bfloat16",
+        tau=6.0, tau_source="the published EAGLE-3 heads' order of magnitude (about 6 at 60/7/10)"),
+    "llama-3.1-8b": dict(
+        config=dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                    num_key_value_heads=8, head_dim=128, vocab_size=128256, tie_word_embeddings=False,
+                    rope_parameters=dict(rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0,
+                                         high_freq_factor=4.0, original_max_position_embeddings=8192),
+                    max_position_embeddings=131072, rms_norm_eps=1e-5),
+        head=dict(intermediate_size=14336, draft_vocab_size=32000), dtype="bfloat16",
+        tau=6.13, tau_source="EAGLE-3 paper, LLaMA-3.1-8B, MT-bench, T=0"),
+}  # fmt: skip
+TREE = (60, 7, 10)  # total_token, depth, top_k: EAGLE-2's GPU default
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def median_ms(fn, device: torch.device, repeats: int = 20, warmup: int = 3, calls: int = 1) -> float:
+    """Median ms of `fn` over `repeats` timings of `calls` calls each between syncs (per call)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        sync(device)
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        sync(device)
+        times.append(1e3 * (time.perf_counter() - t0) / calls)
+    return statistics.median(times)
+
+
+# ---------------------------------------------------------------------------------------------------------
+def build_base(name: str, dtype: torch.dtype, device: torch.device, scale: int = 1):
+    """The base from its configuration, random weights, on `device`. scale > 1: a tiny base of the vocabulary / scale (tests)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    fields = dict(BASES[name]["config"])
+    if scale > 1:
+        fields.update(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=16, vocab_size=fields["vocab_size"] // scale)
+    config = LlamaConfig(**fields, bos_token_id=1, eos_token_id=2, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # made in its dtype: an 8B base made in float32 first would need 32 GB more
+    try:
+        with torch.device(device):
+            base = LlamaForCausalLM(config)
+    finally:
+        torch.set_default_dtype(default)
+    return base.eval()
+
+
+def random_head_state(base, fields: dict) -> tuple[dict, dict]:
+    """(config, state) of a random EAGLE-3 head for `base` in the reference layout (d2t/t2d for its vocabulary)."""
+    from eagle.model.draft_head import DraftConfig, DraftHead
+
+    c = base.config
+    draft_vocab = min(fields["draft_vocab_size"], c.vocab_size)
+    config = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": c.hidden_size,
+              "intermediate_size": min(fields["intermediate_size"], c.intermediate_size), "num_attention_heads": c.num_attention_heads,
+              "num_key_value_heads": c.num_key_value_heads, "head_dim": c.head_dim, "num_hidden_layers": 1,
+              "hidden_act": "silu", "rms_norm_eps": c.rms_norm_eps, "max_position_embeddings": 8192,
+              "rope_theta": 500000.0, "vocab_size": c.vocab_size, "draft_vocab_size": draft_vocab}  # fmt: skip
+    head = DraftHead(DraftConfig.from_dict(config, True), own_embedding=False)  # on CPU, as a checkpoint loads
+    state = dict(head.state_dict())
+    used = torch.arange(draft_vocab) * (c.vocab_size // draft_vocab)  # [draft vocab]
+    state["d2t"] = used - torch.arange(draft_vocab)
+    state["t2d"] = torch.zeros(c.vocab_size, dtype=torch.bool).index_fill_(0, used, True)
+    return config, state
+
+
+def build_model(name: str, dtype: torch.dtype, device: torch.device, scale: int = 1):
+    """EaModel of the random base and its head (the shipped one for the embedded default), tree 60/7/10."""
+    from eagle.model.checkpoint import read_checkpoint
+    from eagle.model.ea_model import EaModel, load_head
+
+    spec = BASES[name]
+    base = build_base(name, dtype, device, scale)
+    head_spec = spec["head"]
+    if isinstance(head_spec, Path) and scale == 1:
+        config, state = read_checkpoint(str(head_spec))
+    else:
+        config, state = random_head_state(base, head_spec if isinstance(head_spec, dict) else
+                                          {"intermediate_size": 1536, "draft_vocab_size": 8192})  # fmt: skip
+    head = load_head(base, config, state, True, dtype)
+    total, depth, top_k = TREE
+    return EaModel(base, head, None, total, depth, top_k)
+
+
+def graph(model, capture: bool, direct: bool = False) -> dict:
+    """The graphed rounds in use: on CUDA the app's route (tuner.compile_rounds with --compile on: CUDA graphs of
+    the base's passes and the head's steps, timed against eager once); with capture off the same runners built
+    directly (what the tests do). Returns what it said and the seconds it took."""
+    from eagle.model.cuda_graphs import BUCKETS, DRAFT_BUCKETS, GraphedDecode, GraphedDraft
+    from eagle.model.draft import HeadStep
+    from eagle.model.tuner import compile_rounds
+
+    t0, lines = time.perf_counter(), []
+    if capture and not direct:
+        in_use = compile_rounds(model, "on", lines.append)
+    else:
+        model.base.compiled = GraphedDecode(model.base, BUCKETS, CAPACITY, capture)
+        model.compiled_draft = GraphedDraft(HeadStep(model.ea_layer, model.base.lm_head), DRAFT_BUCKETS, CAPACITY,
+                                            capture)  # fmt: skip
+        model.base.compiled.warm(lines.append)
+        model.compiled_draft.warm(lines.append)
+        in_use = True
+    return {"in_use": in_use, "seconds": time.perf_counter() - t0, "log": lines}
+
+
+# ---------------------------------------------------------------------------------------------------------
+def copy_bandwidth(device: torch.device, mib: int = 1024) -> float:
+    """Device-to-device copy, bytes read + written per second (the floor's bandwidth)."""
+    src = torch.empty(mib << 20, dtype=torch.uint8, device=device).random_(0, 255)
+    dst = torch.empty_like(src)
+    ms = median_ms(lambda: dst.copy_(src), device, repeats=10)
+    return 2 * src.numel() / (ms / 1e3)
+
+
+def prompt_ids(vocab: int, length: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, vocab, (1, length), generator=g)  # [1, length] on CPU, as the engine takes it
+
+
+def hf_tokens_per_s(base, ids: torch.Tensor, new: int, **kw) -> float:
+    ids = ids.to(base.device)
+
+    def run(n):
+        base.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=n, min_new_tokens=n,
+                      pad_token_id=0, **kw)  # fmt: skip
+
+    run(new if kw else 8)  # a static cache is sized by the length: warm (compile) at the timed one
+    sync(base.device)
+    t0 = time.perf_counter()
+    run(new)
+    sync(base.device)
+    return new / (time.perf_counter() - t0)
+
+
+def engine_tokens_per_s(model, ids: torch.Tensor, new: int, eagle: bool) -> dict:
+    gen = model.eagenerate if eagle else model.naivegenerate
+    gen(ids, max_new_tokens=8, stop_token_ids=[])
+    device = model.base.lm_head.weight.device
+    sync(device)
+    t0 = time.perf_counter()
+    _, tokens, rounds = gen(ids, max_new_tokens=new, stop_token_ids=[], log=True)
+    sync(device)
+    seconds = time.perf_counter() - t0
+    return {"tokens_per_s": tokens / seconds, "ms_per_forward": 1e3 * seconds / (rounds + 1),
+            "tokens_per_forward": tokens / (rounds + 1)}  # fmt: skip
+
+
+def pass_ms(model, rows: int, context: int) -> float:
+    """One graphed base pass over `rows` rows after `context` cached positions (as a verify pass runs it)."""
+    from eagle.model.masks import additive_mask
+
+    base, graphs = model.base, model.base.compiled
+    device = base.input_device
+    cache = graphs.lease(context + rows)
+    try:
+        with torch.inference_mode():
+            ids = prompt_ids(base.vocab_size, context + rows).to(device)
+            base.forward(ids[:, :context], torch.arange(context, device=device)[None], cache, last_logits_only=True)
+            allowed = torch.ones(rows, context + rows, dtype=torch.bool, device=device).tril(context)
+            mask = additive_mask(allowed, base.dtype)  # [1, 1, rows, context + rows]
+            positions = torch.arange(context, context + rows, device=device)[None]
+
+            def one():
+                graphs.run(ids[:, context:], positions, mask, cache, rows > 1)
+                cache.crop_to(context)
+
+            return median_ms(one, device)
+    finally:
+        graphs.release(cache)
+
+
+def replay_kernels(model, rows: int, context: int = 256, replays: int = 20, top: int = 12) -> dict:
+    """The kernels inside one graphed base pass: device ms per pass by kernel name (top `top`), their count, and
+    the device's total per pass against the wall time of a replay."""
+    from torch.profiler import ProfilerActivity, profile
+
+    wall = pass_ms(model, rows, context)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays // 20 or 1):
+            pass_ms(model, rows, context)
+    events = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
+    passes = 23 * (replays // 20 or 1)  # median_ms: 3 warm-up + 20 timed calls
+    total = sum(e.self_device_time_total for e in events) / 1e3 / passes
+    kernels = sorted(events, key=lambda e: -e.self_device_time_total)[:top]
+    return {"wall_ms": wall, "device_ms": total, "kernels_per_pass": sum(e.count for e in events) / passes,
+            "top": {e.key[:80]: round(e.self_device_time_total / 1e3 / passes, 4) for e in kernels}}
+
+
+def runtime_calls_per_round(model, ids: torch.Tensor, rounds: int = 20) -> dict:
+    """Host-side CUDA runtime calls per EAGLE round (graph launches, kernel launches, copies, syncs), from
+    torch.profiler's CPU events over `rounds` rounds after the first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    stream = model.stream(ids, max_new_tokens=10 * rounds, stop_token_ids=())
+    next(stream)
+    next(stream)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=activities) as prof:
+        done = sum(1 for _, _ in zip(range(rounds), stream))
+    stream.close()
+    counts: dict[str, float] = {}
+    for event in prof.key_averages():
+        name = event.key
+        for label, needle in (("graph_launches", "cudaGraphLaunch"), ("kernel_launches", "cudaLaunchKernel"),
+                              ("memcpy", "cudaMemcpy"), ("syncs", "Synchronize"),
+                              ("item_reads", "aten::_local_scalar_dense"), ("aten_ops", "aten::")):  # fmt: skip
+            if needle in name:
+                counts[label] = counts.get(label, 0) + event.count / done
+    return counts
+
+
+def phase_profile(model, ids: torch.Tensor, rounds: int = 40) -> dict:
+    """profile.py's phase clock (a sync at every phase boundary) over `rounds` EAGLE rounds, and vanilla steps."""
+    from .profile import profile
+
+    args = SimpleNamespace(static=False, general=False, rounds=rounds, max_new_tokens=rounds + 8, temperature=0.0,
+                           vanilla=True)  # fmt: skip
+    return profile(model, [SimpleNamespace(ids=ids[0].tolist())], args)
+
+
+def attention_ms(config, dtype, device, context: int, rows: int, capacity: int) -> dict:
+    """One layer's attention, ms: as the graphs run it (keys over the whole capacity, KV heads repeated, a float
+    mask) against the live prefix only with grouped-query attention (and, for one row, no mask at all)."""
+    import torch.nn.functional as F
+
+    H, KV, D = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+    q = torch.randn(1, H, rows, D, dtype=dtype, device=device)
+    k = torch.randn(1, KV, capacity, D, dtype=dtype, device=device)
+    v = torch.randn_like(k)
+    live = context + rows
+    allowed = torch.ones(rows, live, dtype=torch.bool, device=device).tril(context)
+    wide = torch.full((1, 1, rows, capacity), torch.finfo(dtype).min, dtype=dtype, device=device)
+    wide[0, 0, :, :live].masked_fill_(allowed, 0)
+    out = {
+        "capacity_repeat_kv": median_ms(lambda: F.scaled_dot_product_attention(
+            q, k.repeat_interleave(H // KV, 1), v.repeat_interleave(H // KV, 1), attn_mask=wide), device, calls=50),
+        "live_gqa_mask": median_ms(lambda: F.scaled_dot_product_attention(
+            q, k[:, :, :live], v[:, :, :live], attn_mask=allowed, enable_gqa=True), device, calls=50),
+    }  # fmt: skip
+    if rows == 1:
+        out["live_gqa_nomask"] = median_ms(lambda: F.scaled_dot_product_attention(
+            q, k[:, :, :live], v[:, :, :live], enable_gqa=True), device, calls=50)  # fmt: skip
+    return out
+
+
+def tuned_tree(model, head: Path) -> dict:
+    """The tree the tuner picks on this device from the head's acceptance profile (measured pass and draft costs),
+    with its predicted tau and tokens/s: the head's real acceptance on this device's costs."""
+    from dataclasses import asdict
+
+    from eagle.model.checkpoint import read_acceptance_profile
+
+    model.acceptance = read_acceptance_profile(str(head))["accept"]["0"]
+    lines: list[str] = []
+    model.tune_tree(lines.append)
+    return asdict(model.tree_choice) | {"log": lines[-6:]}
+
+
+# ---------------------------------------------------------------------------------------------------------
+def measure(name: str, device: torch.device, args, save=lambda r: None) -> dict:
+    """Every measurement of one base, each in its own stage (a failure is recorded, the next runs); `save(r)`
+    after each, so that a run stopped by its time limit keeps what it measured."""
+    spec = BASES[name]
+    dtype = getattr(torch, args.dtype or spec["dtype"])
+    t0 = time.perf_counter()
+    model = build_model(name, dtype, device, args.scale)
+    base = model.base_model
+    weight_bytes = sum(p.numel() * p.element_size() for p in base.parameters())
+    r: dict = {"base": name, "dtype": str(dtype).removeprefix("torch."), "weight_bytes": weight_bytes,
+               "tree": "%d/%d/%d" % TREE, "new_tokens": args.new_tokens, "prompt_tokens": args.prompt_tokens,
+               "tau": spec["tau"], "tau_source": spec["tau_source"]}  # fmt: skip
+    if device.type == "cuda":
+        r["floor_ms"] = 1e3 * weight_bytes / args.bandwidth
+    log(f"{name}: built in {time.perf_counter() - t0:.1f} s, {weight_bytes / 1e9:.2f} GB of weights")
+    ids = prompt_ids(base.config.vocab_size, args.prompt_tokens)
+    contexts = sorted({min(c, CAPACITY - max(args.rows, default=64)) for c in args.contexts})  # within the graphs' cache
+
+    def stage(key, fn):
+        if args.stages and key not in args.stages:
+            return
+        t = time.perf_counter()
+        try:
+            r[key] = fn()
+        except Exception as e:  # noqa: BLE001 - one failed measurement must not lose the others
+            r[key] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+        log(f"{name}: {key} ({time.perf_counter() - t:.1f} s): {json.dumps(r[key])[:400]}")
+        project(r)
+        save(r)
+
+    stage("hf_generate", lambda: hf_tokens_per_s(base, ids, args.new_tokens))
+    stage("graphs", lambda: graph(model, device.type == "cuda", args.direct))
+    stage("vanilla", lambda: engine_tokens_per_s(model, ids, args.new_tokens, eagle=False))
+    stage("eagle_random_acceptance", lambda: engine_tokens_per_s(model, ids, args.new_tokens, eagle=True))
+    stage("pass_ms", lambda: {c: {rows: pass_ms(model, rows, c) for rows in args.rows} for c in contexts})
+    stage("replay_kernels", lambda: {rows: replay_kernels(model, rows) for rows in (1, max(args.rows))})
+    stage("phases", lambda: phase_profile(model, ids))
+    stage("runtime_calls_per_round", lambda: runtime_calls_per_round(model, ids))
+    stage("attention_ms", lambda: {c: {rows: attention_ms(base.config, dtype, device, c, rows, CAPACITY + 64)
+                                       for rows in (1, 64)} for c in contexts})  # fmt: skip
+    if isinstance(spec["head"], Path) and args.scale == 1:  # the tree the tuner picks here for the real head
+        stage("tuned_tree", lambda: tuned_tree(model, spec["head"]))
+    if name in args.hf_compile:  # last: its first call compiles for a minute or more
+        stage("hf_generate_static_compiled", lambda: hf_tokens_per_s(base, ids, args.new_tokens,
+                                                                      cache_implementation="static"))
+    del model, base
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return r
+
+
+def project(r: dict) -> None:
+    """Round in vanilla steps and the projected speedup (tau x step / round) from the unprofiled phase run."""
+    phases, vanilla = r.get("phases", {}), r.get("vanilla", {})
+    if "round_ms_unprofiled" in phases and "ms_per_forward" in vanilla:
+        step = vanilla["ms_per_forward"]
+        r["round_in_steps"] = phases["round_ms_unprofiled"] / step
+        r["projected_speedup_vs_vanilla"] = r["tau"] / r["round_in_steps"]
+        hf = r.get("hf_generate")
+        if isinstance(hf, float):
+            r["projected_speedup_vs_hf"] = r["projected_speedup_vs_vanilla"] * vanilla["tokens_per_s"] / hf
+
+
+def table(results: list[dict]) -> str:
+    def num(x, fmt="{:.1f}"):
+        return fmt.format(x) if isinstance(x, (int, float)) else "–"
+
+    lines = ["| base | hf tok/s | hf static+compile | vanilla tok/s | step ms | floor ms | widest pass (steps) | "
+             "round ms (steps) | projected vs vanilla (tau) |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in results:
+        van, ph = r.get("vanilla", {}), r.get("phases", {})
+        passes = r.get("pass_ms", {})
+        c = passes.get(min(passes, default=0), {}) if isinstance(passes, dict) and "error" not in passes else {}
+        step = van.get("ms_per_forward")
+        wide = c.get(max(c, default=0)) if c else None
+        lines.append(
+            f"| {r['base']} ({r['dtype']}) | {num(r.get('hf_generate'))} | "
+            f"{num(r.get('hf_generate_static_compiled'))} | {num(van.get('tokens_per_s'))} | {num(step, '{:.2f}')} | "
+            f"{num(r.get('floor_ms'), '{:.2f}')} | "
+            f"{num(wide, '{:.2f}')} ({num(wide / c[1] if wide and c.get(1) else None, '{:.2f}')}) | "
+            f"{num(ph.get('round_ms_unprofiled'), '{:.2f}')} ({num(r.get('round_in_steps'), '{:.2f}')}) | "
+            f"{num(r.get('projected_speedup_vs_vanilla'), '{:.2f}x')} ({r['tau']}) |")  # fmt: skip
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    p = argparse.ArgumentParser(prog="python -m eagle.evaluation.gpu_costs", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p.add_argument("--bases", default="smollm2-135m", help=f"comma-separated: {', '.join(BASES)}")
+    p.add_argument("--device", default=None, help="default: cuda if available")
+    p.add_argument("--dtype", default=None, help="default: each base's (float16 for the embedded default)")
+    p.add_argument("--new-tokens", type=int, default=256)
+    p.add_argument("--prompt-tokens", type=int, default=128)
+    p.add_argument("--rows", default="1,8,16,32,64", help="verify pass rows timed")
+    p.add_argument("--contexts", default="256,1024,4096", help="cached positions for pass and attention timings")
+    p.add_argument("--hf-compile", default="", help="bases to also time HF generate with a static cache + compile")
+    p.add_argument("--stages", default="", help="only these stages (comma-separated; 'graphs' is needed by most)")
+    p.add_argument("--direct", action="store_true", help="capture the graphs without the app's timing against eager")
+    p.add_argument("--scale", type=int, default=1, help="divide widths (a quick check of the script on a CPU)")
+    p.add_argument("--out", default="out/gpu_costs")
+    args = p.parse_args(argv)
+    args.rows = [int(x) for x in args.rows.split(",")]
+    args.contexts = [int(x) for x in args.contexts.split(",")]
+    args.hf_compile = set(filter(None, args.hf_compile.split(",")))
+    args.stages = set(filter(None, args.stages.split(",")))
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    env = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+           "torch": torch.__version__}  # fmt: skip
+    if device.type == "cuda":
+        args.bandwidth = copy_bandwidth(device)
+        env["copy_bandwidth_GBps"] = args.bandwidth / 1e9
+    log(json.dumps(env))
+    results = []
+
+    def save(r):
+        (out / "gpu_costs.json").write_text(json.dumps({"env": env, "results": results + [r]}, indent=1) + "\n")
+
+    for name in args.bases.split(","):
+        results.append(measure(name, device, args, save))
+    print(table(results))
+    return results
+
+
+if __name__ == "__main__":
+    main()
