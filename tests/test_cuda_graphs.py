@@ -40,13 +40,15 @@ def graph_now(model: EaModel, capture: bool = False, capacity: int = 512) -> EaM
     return model
 
 
-def replays_of(runner, monkeypatch) -> dict[tuple, int]:
-    """Counts the calls of each key's function (capture=False) until the test ends."""
+def replays_of(runner, monkeypatch, spans: bool = False) -> dict[tuple, int]:
+    """Counts the calls of each key's function (capture=False) until the test ends, by rows and flags (and the
+    key's span of the cache, the key's last item, with `spans`)."""
     counts = {}
     original = runner.steps.run
 
     def counted(key, fn, inputs):
-        counts[key] = counts.get(key, 0) + 1
+        counted_as = key if spans else key[:-1]
+        counts[counted_as] = counts.get(counted_as, 0) + 1
         return original(key, fn, inputs)
 
     monkeypatch.setattr(runner.steps, "run", counted)
@@ -124,6 +126,21 @@ def test_a_generation_longer_than_the_graphs_cache_runs_eagerly_and_equally(tmp_
                         min_new_tokens=40, eos_token_id=None, pad_token_id=0)  # fmt: skip
     assert model.eagenerate(ids, max_new_tokens=40, stop_token_ids=[]).tolist() == ref.tolist()
     assert not verify  # 40 new tokens do not fit 32 positions: eager on caches of its own
+
+
+def test_a_reply_crossing_a_span_of_the_cache_equals_greedy_generate(graphed, monkeypatch):
+    """Passes attend over the cache's first 256 positions while prefix and rows fit there, then over the first 512
+    (the graphs' capacity is 512 + the widest bucket): the switch in the middle of a reply changes nothing."""
+    base, model = graphed
+    assert model.base.compiled.spans == (256, 512, 520) and model.compiled_draft.spans == (256, 512, 516)
+    verify, drafts = replays_of(model.base.compiled, monkeypatch, spans=True), replays_of(model.compiled_draft,
+                                                                                        monkeypatch, spans=True)
+    ids = torch.tensor([(PROMPTS[0] * 100)[:236]])
+    ref = base.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=48,
+                        min_new_tokens=48, eos_token_id=None, pad_token_id=0)  # fmt: skip
+    assert model.eagenerate(ids, max_new_tokens=48, stop_token_ids=[]).tolist() == ref.tolist()
+    assert model.naivegenerate(ids, max_new_tokens=48, stop_token_ids=[]).tolist() == ref.tolist()
+    assert {key[-1] for key in verify} == {256, 512} and {key[-1] for key in drafts} == {256, 512}, (verify, drafts)
 
 
 def test_the_static_cache_masks_out_stale_rows_of_an_earlier_generation(graphed):

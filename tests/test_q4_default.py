@@ -61,7 +61,7 @@ def test_the_app_takes_weights_and_the_model_panel_says_which():
     from app.cli import parser
     from app.ui import model_info_md
 
-    assert parser().parse_args([]).weights == "fp32"  # until EAGLE pays at q4_1 (BENCHMARKS.md)
+    assert parser().parse_args([]).weights == "auto"  # q4_1 for the GGUF-converted default (pick_weights)
     assert parser().parse_args(["--weights", "q4_1"]).weights == "q4_1"
     engine = SimpleNamespace(
         info={"weights": "q4_1 (210 layers), q8_0 (lm_head)"}, reference=lambda: None, status="", jobs=[],

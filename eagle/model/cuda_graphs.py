@@ -6,10 +6,11 @@ replay it: one launch a pass. A graph holds the addresses it was captured with, 
 is static: the runner owns the KV cache (a static `TreeKVCache` for the base, a `DraftKVCache` for the head) and
 one buffer per input; a call copies its inputs into the buffers, replays, and returns copies of the outputs (the
 next replay overwrites them). Shapes are static too: the rows are the bucket's (a smaller tree is padded as on the
-CPU path, compiled.py: pads see the prefix and themselves and are dropped), the keys span the cache's whole capacity
-(positions past the length are masked out) and rows are written at positions held in a device buffer, so nothing
-depends on the context length and one graph serves a whole reply. The host reads the device once a round, in
-verification (verify.py); replays and the copies around them never wait for it.
+CPU path, compiled.py: pads see the prefix and themselves and are dropped), the keys a *span* of the cache's first
+positions, the smallest of `SPANS` that holds the prefix and the rows (positions past the length are masked out),
+and rows are written at positions held in a device buffer; so a graph per (rows, span) serves every context length
+in its span, and attention reads the live part of the cache, not its whole capacity. The host reads the device
+once a round, in verification (verify.py); replays and the copies around them never wait for it.
 
 The runner's cache is leased to one generation at a time (`lease`/`release`); a generation that finds it taken,
 or needs more room, runs eagerly on a cache of its own. Prefill and trees wider than the largest bucket run eagerly
@@ -34,6 +35,12 @@ from .kv_cache import TreeKVCache
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # base rows: the vanilla step, then trees up to 64 nodes (a GPU verifies flat)
 DRAFT_BUCKETS = (1, 2, 4, 8, 16, 32)  # draft rows: a level's width (top_k), a round's commit (depth + 1)
 CAPACITY = 4096  # positions in a runner's cache: prompt + reply + a tree, the app's max_length (2048) and more
+SPANS = (256, 512, 1024, 2048)  # key positions a captured pass attends over, below the cache's whole capacity
+
+
+def spans_of(capacity: int) -> tuple[int, ...]:
+    """The spans of a cache of `capacity` positions: SPANS below it, then the capacity itself."""
+    return tuple(s for s in SPANS if s < capacity) + (capacity,)
 
 
 class GraphedSteps:
@@ -109,6 +116,7 @@ class GraphedDecode(LeasedCache):
         self.base = base
         self.buckets = tuple(sorted(buckets))
         self.cache = TreeKVCache(base.num_layers, capacity + max(self.buckets), static=True)  # + a padded pass
+        self.spans = spans_of(self.cache.capacity)
         self.capacity, self._taken = capacity, threading.Lock()
         self.steps = GraphedSteps(device, device.type == "cuda" if capture is None else capture)
 
@@ -116,12 +124,12 @@ class GraphedDecode(LeasedCache):
         self.cache.crop_to(0)
 
     def _step(self, ids, positions, mask, write_positions, features: bool):
-        """The captured pass: ids, positions [1, rows], mask [1, 1, rows, capacity], write_positions [rows]."""
-        self.cache.write_positions = write_positions
+        """The captured pass: ids, positions [1, rows], mask [1, 1, rows, span], write_positions [rows]."""
+        self.cache.write_positions, self.cache.read_span = write_positions, mask.shape[-1]
         try:
             return self.base.decode(ids, positions, mask, self.cache, features, False)
         finally:
-            self.cache.write_positions = None
+            self.cache.write_positions = self.cache.read_span = None
 
     def bucket(self, rows: int) -> int | None:
         return bucket_for(rows, self.buckets)
@@ -133,15 +141,17 @@ class GraphedDecode(LeasedCache):
         """Like `BaseModel.decode` on q <= max bucket rows, with the cache left at length L + q."""
         q, length = input_ids.shape[1], cache.length
         rows = self.bucket(q)
+        span = next(s for s in self.spans if s >= length + rows)
         ids, positions, mask = pad_rows(input_ids, position_ids, mask, rows)
-        mask, write = widened(mask, cache.capacity), torch.arange(length, length + rows, device=mask.device)
+        mask, write = widened(mask, span), torch.arange(length, length + rows, device=mask.device)
         step = functools.partial(self._step, features=features)
-        logits, feats = self.steps.run((rows, features), step, (ids, positions, mask, write))
+        logits, feats = self.steps.run((rows, features, span), step, (ids, positions, mask, write))
         cache.crop_to(length + q)
         return logits[:q], None if feats is None else feats[:q]
 
     def warm(self, log=None, context: int = 64) -> dict[int, float]:
-        """Capture every bucket now: the vanilla step without features, verify passes with. Seconds per bucket."""
+        """Capture every bucket at every span now: the vanilla step without features, verify passes with (a pass
+        after `context` positions, then at the end of each longer span). Seconds per bucket, all spans."""
         seconds, context = {}, min(context, self.capacity)
         with torch.inference_mode():
             cache = self.lease(context)
@@ -152,13 +162,16 @@ class GraphedDecode(LeasedCache):
                                   last_logits_only=True)  # fmt: skip
                 for rows in self.buckets:
                     t0 = time.perf_counter()
-                    allowed = torch.ones(rows, context + rows, dtype=torch.bool, device=device).tril(context)
-                    positions = torch.arange(context, context + rows, device=device)[None]
-                    self.run(ids[:, :rows], positions, additive_mask(allowed, self.base.dtype), cache, rows > 1)
+                    for length in sorted({context} | {max(context, span - rows) for span in self.spans}):
+                        cache.crop_to(length)  # positions past `context` hold zeros: a pass reads them masked in
+                        allowed = torch.ones(rows, length + rows, dtype=torch.bool, device=device).tril(length)
+                        positions = torch.arange(length, length + rows, device=device)[None]
+                        self.run(ids[:, :rows], positions, additive_mask(allowed, self.base.dtype), cache, rows > 1)
                     cache.crop_to(context)
                     seconds[rows] = time.perf_counter() - t0
                     if log:
-                        log(f"captured the {rows}-row forward as a CUDA graph in {seconds[rows]:.1f} s")
+                        log(f"captured the {rows}-row forward as CUDA graphs ({len(self.spans)} spans) in "
+                            f"{seconds[rows]:.1f} s")  # fmt: skip
             finally:
                 self.release(cache)
         return seconds
@@ -172,8 +185,9 @@ class GraphedDraft(LeasedCache):
         self.step = step
         self.buckets = tuple(sorted(buckets))
         self.cache = step.head.new_cache(capacity + max(self.buckets))
-        self.cache.keys.zero_()  # read whole by a captured step: no garbage (NaN) under the mask
+        self.cache.keys.zero_()  # read by spans in a captured step: no garbage (NaN) under the mask
         self.cache.values.zero_()
+        self.spans = spans_of(self.cache.capacity)
         self.capacity, self._taken = capacity, threading.Lock()
         self.steps = GraphedSteps(device, device.type == "cuda" if capture is None else capture)
 
@@ -193,8 +207,9 @@ class GraphedDraft(LeasedCache):
         rows = self.bucket(q)
         ids, positions, mask = pad_rows(input_ids, position_ids, mask, rows)
         hidden = torch.cat([hidden, hidden[:, -1:].expand(1, rows - q, -1)], dim=1)  # [1, rows, H]
-        mask, write = widened(mask, cache.capacity), torch.arange(write_at, write_at + rows, device=mask.device)
-        out, log_probs = self.steps.run((rows,), self._step, (hidden, ids, positions, mask, write))
+        span = next(s for s in self.spans if s >= write_at + rows)
+        mask, write = widened(mask, span), torch.arange(write_at, write_at + rows, device=mask.device)
+        out, log_probs = self.steps.run((rows, span), self._step, (hidden, ids, positions, mask, write))
         return out[:q], log_probs[:q]
 
     def warm(self, log=None, context: int = 64) -> dict[int, float]:
@@ -207,14 +222,16 @@ class GraphedDraft(LeasedCache):
             try:
                 for rows in self.buckets:
                     t0 = time.perf_counter()
-                    allowed = torch.ones(rows, context + rows, dtype=torch.bool, device=device).tril(context)
-                    self.run(torch.zeros(1, rows, H, dtype=dtype, device=device),
-                             torch.zeros(1, rows, dtype=torch.long, device=device),
-                             torch.arange(context, context + rows, device=device)[None],
-                             additive_mask(allowed, dtype), cache, context)  # fmt: skip
+                    for at in sorted({context} | {max(context, span - rows) for span in self.spans}):
+                        allowed = torch.ones(rows, at + rows, dtype=torch.bool, device=device).tril(at)
+                        self.run(torch.zeros(1, rows, H, dtype=dtype, device=device),
+                                 torch.zeros(1, rows, dtype=torch.long, device=device),
+                                 torch.arange(at, at + rows, device=device)[None],
+                                 additive_mask(allowed, dtype), cache, at)  # fmt: skip
                     seconds[rows] = time.perf_counter() - t0
                     if log:
-                        log(f"captured the {rows}-row draft step as a CUDA graph in {seconds[rows]:.1f} s")
+                        log(f"captured the {rows}-row draft step as CUDA graphs ({len(self.spans)} spans) in "
+                            f"{seconds[rows]:.1f} s")  # fmt: skip
             finally:
                 self.release(cache)
         return seconds

@@ -178,8 +178,8 @@ class DraftAttention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
 
     def forward(self, x, cos, sin, mask, cache: DraftKVCache, write_at: int | torch.Tensor) -> torch.Tensor:
-        # x: [1, q, in]; mask: additive float [1, 1, q, write_at + q], or [1, 1, q, capacity] where write_at is the
-        # positions [q] to write (a captured step, cuda_graphs.py: attention over the whole cache)
+        # x: [1, q, in]; mask: additive float [1, 1, q, write_at + q], or [1, 1, q, span] where write_at is the
+        # positions [q] to write (a captured step, cuda_graphs.py: attention over the cache's first `span` positions)
         b, q, _ = x.shape
         qs = self.q_proj(x).view(b, q, self.heads, self.head_dim)
         ks = self.k_proj(x).view(b, q, self.kv_heads, self.head_dim)
@@ -191,7 +191,8 @@ class DraftAttention(nn.Module):
         if isinstance(write_at, torch.Tensor):
             cache.keys.index_copy_(2, write_at, ks)
             cache.values.index_copy_(2, write_at, vs)
-            k_all, v_all = cache.keys, cache.values
+            span = mask.shape[-1]
+            k_all, v_all = cache.keys[:, :, :span], cache.values[:, :, :span]
         else:
             end = write_at + q
             cache.keys[:, :, write_at:end] = ks
@@ -315,7 +316,7 @@ class DraftHead(nn.Module):
         hidden: torch.Tensor,  # [1, q, feature_size] base features, or [1, q, H] the head's own outputs (EAGLE-3)
         input_ids: torch.Tensor,  # [1, q] the tokens one step ahead of the features
         position_ids: torch.Tensor,  # [1, q]
-        mask: torch.Tensor,  # additive float [1, 1, q, write_at + q] (or the capacity: DraftAttention)
+        mask: torch.Tensor,  # additive float [1, 1, q, write_at + q] (or a span: DraftAttention)
         cache: DraftKVCache,
         write_at: int | torch.Tensor,
     ) -> torch.Tensor:  # [1, q, H] predicted next features (EAGLE-3: pre-norm unless feed_back_normed)

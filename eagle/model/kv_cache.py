@@ -7,8 +7,9 @@ the accepted tree rows into the contiguous prefix and rejected rows are simply o
 
 For CUDA graphs (cuda_graphs.py) a cache must keep its addresses and every captured pass its shapes: a
 `TreeKVCache(..., static=True)` is owned by the graphs' runner, and while `write_positions` is set (a device tensor
-[q], the runner's static buffer) each layer writes its rows there and returns the whole buffers, the mask spanning
-the capacity (`masks.widened`); the runner keeps the length. Otherwise it behaves as any TreeKVCache (eager passes).
+[q], the runner's static buffer) each layer writes its rows there and returns the buffers' first `read_span`
+positions, the mask spanning as many (`masks.widened`); the runner keeps the length. Otherwise it behaves as any
+TreeKVCache (eager passes).
 """
 
 from __future__ import annotations
@@ -84,7 +85,8 @@ class PreallocatedLayer(CacheLayerMixin):
 
 class StaticLayer(PreallocatedLayer):
     """A layer of a static cache: in a captured pass (the cache's `write_positions` set) rows go to those positions
-    and attention sees the whole buffers; the length, a host int, is the runner's to keep. Eager otherwise."""
+    and attention sees the buffers' first `read_span` positions; the length, a host int, is the runner's to keep.
+    Eager otherwise."""
 
     def __init__(self, capacity: int, cache: "TreeKVCache"):
         super().__init__(capacity)
@@ -103,10 +105,13 @@ class StaticLayer(PreallocatedLayer):
             self.lazy_initialization(key_states, value_states)
         self.keys.index_copy_(2, at, key_states)
         self.values.index_copy_(2, at, value_states)
-        return self.keys, self.values
+        span = self.cache.read_span
+        return self.keys[:, :, :span], self.values[:, :, :span]
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return (self.capacity, 0) if self.cache.write_positions is not None else super().get_mask_sizes(query_length)
+        if self.cache.write_positions is not None:
+            return self.cache.read_span, 0
+        return super().get_mask_sizes(query_length)
 
 
 class TreeKVCache(Cache):
@@ -118,6 +123,7 @@ class TreeKVCache(Cache):
         super().__init__(layers=layers)
         self.capacity = capacity
         self.write_positions: torch.Tensor | None = None  # [q] set by the graphs' runner around a captured pass
+        self.read_span: int | None = None  # the positions that pass attends over (a span: cuda_graphs.SPANS)
 
     @property
     def length(self) -> int:

@@ -137,6 +137,7 @@ def _cache_key(model, head: bool = True) -> str:
         "base_dtype": str(model.base.dtype), "few_row_plan": few_rows.plan_of(base),
         "few_row_kernels": few_rows.kernels_id(),
         "compiled": model.base.compiled.buckets if model.base.compiled is not None else None,
+        "spans": getattr(model.base.compiled, "spans", None),  # CUDA graphs: the cache spans they attend over
     }  # fmt: skip
     if head:
         what |= {
