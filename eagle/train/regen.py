@@ -126,3 +126,58 @@ def regenerate_first_turns(model, tokenizer, template, conversations: list[list[
             if text.strip():
                 results[i] = (openings[i] + [{"role": "assistant", "content": text}], cut)
     return results
+
+
+def regenerate_all_turns(model, tokenizer, template, conversations: list[list[dict]], max_len: int,
+                         max_new_tokens: int, batch_size: int = 256, temperature: float = 0.0, seed: int = 0,
+                         ) -> list[tuple[list[dict], bool] | None]:  # fmt: skip
+    """`regenerate_replies` for many conversations at once through the batched generator (batch_generate.py): turn
+    by turn, every conversation still going gets its next reply written on its conversation so far, `batch_size`
+    rows at a time; a conversation that ends with a user turn (an opening, a written prompt) gets a reply to it
+    too. A conversation ends after its last reply, at the first turn whose prompt leaves fewer than
+    `max_new_tokens` tokens within `max_len`, or at a reply cut by the budget (then truncated) or empty.
+
+    Returns per conversation (messages, truncated) as `regenerate_replies` does, or None when not one reply fit."""
+    from .batch_generate import generate_all
+
+    stop_set = stop_token_ids(tokenizer)
+    done: list[list[dict]] = [[] for _ in conversations]  # messages so far, replies the base's own
+    truncated = [False] * len(conversations)
+    position = [0] * len(conversations)  # the next message of each conversation to take
+    going = list(range(len(conversations)))
+    turn = 0
+    while going:
+        asks = []  # (conversation, prompt ids) of the conversations whose next reply is written now
+        for i in going:
+            messages = conversations[i]
+            while position[i] < len(messages) and messages[position[i]]["role"] != "assistant":
+                done[i].append(messages[position[i]])
+                position[i] += 1
+            # at the data's next reply, or at the end: a conversation ending with a user turn gets one reply more
+            if not done[i] or done[i][-1]["role"] != "user":
+                continue
+            position[i] += 1  # past the data's reply, which the base's replaces
+            ids = _prompt_ids(tokenizer, template, done[i]).tolist()
+            if len(ids) + max_new_tokens <= max_len:
+                asks.append((i, ids))
+        if not asks:
+            break
+        outs = generate_all(model, [ids for _, ids in asks], batch_size, max_new_tokens, stop_set,
+                            temperature=temperature, seed=seed + turn)  # fmt: skip
+        going = []
+        for (i, _), out in zip(asks, outs, strict=True):
+            text, cut = _reply_text(tokenizer, out, stop_set)
+            if not text.strip():
+                continue
+            done[i].append({"role": "assistant", "content": text})
+            truncated[i] = cut
+            if not cut:
+                going.append(i)
+        turn += 1
+    results: list[tuple[list[dict], bool] | None] = []
+    for i, messages in enumerate(done):
+        while messages and messages[-1]["role"] != "assistant":
+            messages.pop()
+        has_reply = any(m["role"] == "assistant" for m in messages)
+        results.append((messages, truncated[i]) if has_reply else None)
+    return results
