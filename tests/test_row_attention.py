@@ -2,6 +2,10 @@
 softmax attention within float32 rounding of SDPA, each row over only the keys it may see, in cache order, so a
 tree node's forward is bit for bit the one-row step of the same token."""
 
+import platform
+import subprocess
+import sys
+
 import pytest
 import torch
 from q4_fixtures import quantized_tiny_base
@@ -91,3 +95,32 @@ def test_keys_and_values_are_read_in_place_from_a_longer_cache_buffer():
     assert not k.is_contiguous()
     out = torch.ops.eagle.row_attention(q, k, v, None, D**-0.5)
     assert torch.equal(out, torch.ops.eagle.row_attention(q, k.contiguous(), v.contiguous(), None, D**-0.5))
+
+
+AVX2_CHECK = """
+import sys, torch
+torch.ops.load_library(sys.argv[1])
+g = torch.Generator().manual_seed(1)
+H, HKV, D, L = 6, 2, 64, 45
+for rows in (1, 5, 9):
+    q, k, v = (torch.randn(1, h, n, D, generator=g) for h, n in ((H, rows), (HKV, L), (HKV, L)))
+    allowed = torch.rand(rows, L, generator=g) < 0.6
+    allowed[:, -rows:] |= torch.eye(rows, dtype=torch.bool)
+    out = torch.ops.eagle.row_attention(q, k, v, allowed[None, None], D**-0.5)
+    ref = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double().repeat_interleave(3, 1),
+        v.double().repeat_interleave(3, 1), attn_mask=allowed[None, None]).transpose(1, 2)
+    torch.testing.assert_close(out.double(), ref, rtol=0, atol=2e-6)
+    for i in range(rows):  # blocks of 8 keys and a tail: a row's keys alone give it bit for bit
+        keys = allowed[i].nonzero()[:, 0]
+        alone = torch.ops.eagle.row_attention(q[:, :, i : i + 1], k[:, :, keys], v[:, :, keys], None, D**-0.5)
+        assert torch.equal(alone[0, 0], out[0, i])
+"""
+
+
+@needs_kernel
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="-mno-avx512f is an x86 flag")
+def test_the_avx2_build_of_row_attention_is_sdpa_and_batch_invariant(tmp_path):
+    """The AVX2 code path (8 keys a block, its own lane sums), built and checked in a process of its own."""
+    library = tmp_path / "panel_linear_avx2.so"
+    subprocess.run(panel_kernel.build_command(panel_kernel._compiler(), library, ("-mno-avx512f",)), check=True)
+    subprocess.run([sys.executable, "-c", AVX2_CHECK, str(library)], check=True, timeout=120)

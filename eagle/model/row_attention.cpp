@@ -9,7 +9,7 @@
 // in vector lanes fixed by position, so the masked gaps of a tree shift the lanes of the later keys.)
 //
 // Per row and query head: the allowed keys gathered (n of them); scores s[c] = dot(q, k[c]) * scale + mask, each
-// dot summed in VL lanes over d then the lanes in a fixed order; max; p[c] = exp(s[c] - max) (a polynomial,
+// dot summed in VL lanes over d then the lanes in a fixed order (VL keys at a time, the same sums: block_dots); max; p[c] = exp(s[c] - max) (a polynomial,
 // vectorised); sum of p in VL lanes by c then in a fixed order; out = sum_c p[c] v[c] in c order, / the sum.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -80,6 +80,44 @@ static inline float dot(const float* q, const float* k, int64_t D) {
   return sum;
 }
 
+// VL keys' dots at once, out[j] = dot(q, k + keys[j] * D, D) bit for bit: each key's VL lanes accumulated over d as
+// `dot` does, then all VL keys' lanes summed by one butterfly whose additions per key are lanes_sum's (lanes i and
+// i + VL/2, then i and i + 4 of those, then (0 + 2) + (1 + 3)): no horizontal sum per key. Needs D % VL == 0.
+static inline vec block_dots(const float* q, const float* k, const int64_t* keys, int64_t D) {
+  vec a[VL];
+  for (int j = 0; j < VL; j++) a[j] = vec{};
+  for (int64_t d = 0; d < D; d += VL) {
+    const vec qd = loadu(q + d);
+    for (int j = 0; j < VL; j++) a[j] += qd * loadu(k + keys[j] * D + d);
+  }
+#ifdef __AVX512F__
+  vec b[8], c[4], e[2];
+  for (int m = 0; m < 8; m++)  // lanes l and l + 8: [key 2m | key 2m + 1], 8 partials each
+    b[m] = __builtin_shufflevector(a[2 * m], a[2 * m + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+           __builtin_shufflevector(a[2 * m], a[2 * m + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  for (int m = 0; m < 4; m++)  // l and l + 4: [key 4m | 4m + 2 | 4m + 1 | 4m + 3], 4 partials each
+    c[m] = __builtin_shufflevector(b[2 * m], b[2 * m + 1], 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27) +
+           __builtin_shufflevector(b[2 * m], b[2 * m + 1], 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
+  for (int m = 0; m < 2; m++)  // (0 + 2), (1 + 3): keys 8m + [0, 4, 2, 6, 1, 5, 3, 7], 2 partials each
+    e[m] = __builtin_shufflevector(c[2 * m], c[2 * m + 1], 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29) +
+           __builtin_shufflevector(c[2 * m], c[2 * m + 1], 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
+  const vec f = __builtin_shufflevector(e[0], e[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+                __builtin_shufflevector(e[0], e[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+  return __builtin_shufflevector(f, f, 0, 4, 2, 6, 1, 5, 3, 7, 8, 12, 10, 14, 9, 13, 11, 15);  // key order
+#else
+  vec c[4], e[2];
+  for (int m = 0; m < 4; m++)  // l and l + 4: [key 2m | key 2m + 1], 4 partials each
+    c[m] = __builtin_shufflevector(a[2 * m], a[2 * m + 1], 0, 1, 2, 3, 8, 9, 10, 11) +
+           __builtin_shufflevector(a[2 * m], a[2 * m + 1], 4, 5, 6, 7, 12, 13, 14, 15);
+  for (int m = 0; m < 2; m++)  // (0 + 2), (1 + 3): keys 4m + [0, 2, 1, 3], 2 partials each
+    e[m] = __builtin_shufflevector(c[2 * m], c[2 * m + 1], 0, 1, 8, 9, 4, 5, 12, 13) +
+           __builtin_shufflevector(c[2 * m], c[2 * m + 1], 2, 3, 10, 11, 6, 7, 14, 15);
+  const vec f = __builtin_shufflevector(e[0], e[1], 0, 2, 4, 6, 8, 10, 12, 14) +
+                __builtin_shufflevector(e[0], e[1], 1, 3, 5, 7, 9, 11, 13, 15);
+  return __builtin_shufflevector(f, f, 0, 2, 1, 3, 4, 6, 5, 7);  // key order
+#endif
+}
+
 // out[D] = sum_c p[c] v[keys[c]] in c order (NV = D / VL vectors held in registers; 0: any D, in memory)
 template <int NV>
 void weighted_sum(const float* p, const int64_t* keys, int64_t n, const float* v, float* out, int64_t D = NV * VL) {
@@ -98,6 +136,30 @@ void weighted_sum(const float* p, const int64_t* keys, int64_t n, const float* v
       for (; d + VL <= D; d += VL) storeu(out + d, loadu(out + d) + p[c] * loadu(vj + d));
       for (; d < D; d++) out[d] += p[c] * vj[d];
     }
+  }
+}
+
+// weighted_sum<NV> for the query heads of one key/value head at once, each key's value row loaded once for them
+// all: out + h * ostride = sum_c p[h * pstride + c] v[keys[c]] in c order, the same operations per head as
+// weighted_sum<NV> (heads in register blocks of 16 / NV).
+template <int NV>
+void weighted_sums(const float* p, int64_t pstride, int64_t heads, const int64_t* keys, int64_t n, const float* v,
+                   float* out, int64_t ostride) {
+  constexpr int CH = 16 / NV;
+  for (int64_t h0 = 0; h0 < heads; h0 += CH) {
+    const int hc = static_cast<int>(std::min<int64_t>(CH, heads - h0));
+    vec acc[CH][NV] = {};
+    for (int64_t c = 0; c < n; c++) {
+      const float* vj = v + keys[c] * NV * VL;
+      vec vv[NV];
+      for (int i = 0; i < NV; i++) vv[i] = loadu(vj + i * VL);
+      for (int hh = 0; hh < hc; hh++) {
+        const float ph = p[(h0 + hh) * pstride + c];
+        for (int i = 0; i < NV; i++) acc[hh][i] += ph * vv[i];
+      }
+    }
+    for (int hh = 0; hh < hc; hh++)
+      for (int i = 0; i < NV; i++) storeu(out + (h0 + hh) * ostride + i * VL, acc[hh][i]);
   }
 }
 
@@ -148,42 +210,62 @@ at::Tensor row_attention(const at::Tensor& q, const at::Tensor& k, const at::Ten
     }
     count[i] = n;
   }
-  at::parallel_for(0, M * H, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> s(L + VL), o(D + VL);
+  // a task: one row and one key/value head, its G query heads together, so that each key's K and V rows are read
+  // from memory once for the G heads (then from L1); every (row, head) gets the operations it would get alone
+  const int64_t G = H / Hkv, sstride = L + VL, ostride = D + VL;
+  at::parallel_for(0, M * Hkv, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> s(G * sstride), o(G * ostride), total(G);
     for (int64_t task = begin; task < end; task++) {
-      const int64_t i = task / H, h = task % H, g = h / (H / Hkv);
-      const float* qi = qp + (h * M + i) * D;
+      const int64_t i = task / Hkv, g = task % Hkv;
       const float* kg = kp + g * khs;
       const float* vg = vp + g * vhs;
       const int64_t n = count[i];
       const int64_t* row_keys = keys.data() + i * L;
-      std::copy(added.begin() + i * L, added.begin() + i * L + n, s.begin());
-      float top = -std::numeric_limits<float>::infinity();
-      for (int64_t c = 0; c < n; c++) {
-        s[c] = dot(qi, kg + row_keys[c] * D, D) * sc + s[c];
-        top = std::max(top, s[c]);
-      }
-      float* oi = op + (i * H + h) * D;
+      auto q_of = [&](int64_t hh) { return qp + ((g * G + hh) * M + i) * D; };
       if (n == 0) {  // no key to see (never in the engine: every row sees itself): zeros
-        std::fill(oi, oi + D, 0.f);
+        for (int64_t hh = 0; hh < G; hh++) std::fill_n(op + (i * H + g * G + hh) * D, D, 0.f);
         continue;
       }
-      vec lanes{};
-      for (int64_t c = 0; c < n; c += VL) {
-        vec x;
-        for (int l = 0; l < VL; l++) x[l] = c + l < n ? s[c + l] - top : -1e30f;
-        const vec p = exp_nonpositive(x);
-        storeu(s.data() + c, p);
-        lanes += p;
+      for (int64_t hh = 0; hh < G; hh++)
+        std::copy(added.begin() + i * L, added.begin() + i * L + n, s.begin() + hh * sstride);
+      int64_t c = 0;
+      if (D % VL == 0) {
+        for (; c + VL <= n; c += VL) {
+          for (int64_t hh = 0; hh < G; hh++) {
+            const vec d = block_dots(q_of(hh), kg, row_keys + c, D);
+            float* sh = s.data() + hh * sstride;
+            for (int l = 0; l < VL; l++) sh[c + l] = d[l] * sc + sh[c + l];
+          }
+        }
       }
-      const float total = lanes_sum(lanes);
+      for (; c < n; c++)
+        for (int64_t hh = 0; hh < G; hh++)
+          s[hh * sstride + c] = dot(q_of(hh), kg + row_keys[c] * D, D) * sc + s[hh * sstride + c];
+      for (int64_t hh = 0; hh < G; hh++) {
+        float* sh = s.data() + hh * sstride;
+        float top = -std::numeric_limits<float>::infinity();
+        for (c = 0; c < n; c++) top = std::max(top, sh[c]);
+        vec lanes{};
+        for (c = 0; c < n; c += VL) {
+          vec x;
+          for (int l = 0; l < VL; l++) x[l] = c + l < n ? sh[c + l] - top : -1e30f;
+          const vec p = exp_nonpositive(x);
+          storeu(sh + c, p);
+          lanes += p;
+        }
+        total[hh] = lanes_sum(lanes);
+      }
       if (D == 4 * VL)
-        weighted_sum<4>(s.data(), row_keys, n, vg, o.data());
+        weighted_sums<4>(s.data(), sstride, G, row_keys, n, vg, o.data(), ostride);
       else if (D == 8 * VL)
-        weighted_sum<8>(s.data(), row_keys, n, vg, o.data());
+        weighted_sums<8>(s.data(), sstride, G, row_keys, n, vg, o.data(), ostride);
       else
-        weighted_sum<0>(s.data(), row_keys, n, vg, o.data(), D);
-      for (int64_t d = 0; d < D; d++) oi[d] = o[d] / total;
+        for (int64_t hh = 0; hh < G; hh++)
+          weighted_sum<0>(s.data() + hh * sstride, row_keys, n, vg, o.data() + hh * ostride, D);
+      for (int64_t hh = 0; hh < G; hh++) {
+        float* oi = op + (i * H + g * G + hh) * D;
+        for (int64_t d = 0; d < D; d++) oi[d] = o[hh * ostride + d] / total[hh];
+      }
     }
   });
   return out;
