@@ -1,5 +1,5 @@
 """The CUDA-graph rounds (eagle/model/cuda_graphs.py) on CPU, everything but the capture: static buffers per bucket,
-pads, masks widened to the cache's capacity, rows written by position, the runner's caches leased to one
+pads, masks widened to a span of the cache, rows written by position, the runner's caches leased to one
 generation at a time. Greedy output equals transformers' greedy `generate`, sampling follows the base's
 distribution; on CUDA (marked gpu) the same with the graphs captured, and one host read a round."""
 
@@ -163,8 +163,8 @@ def test_a_reply_crossing_a_span_of_the_cache_equals_greedy_generate(graphed, mo
 
 
 def test_the_static_cache_masks_out_stale_rows_of_an_earlier_generation(graphed):
-    """A leased cache keeps the last reply's rows past its length; a captured pass attends over the whole buffer,
-    so only the widened mask keeps them out: a reply after a longer one equals greedy `generate`."""
+    """A leased cache keeps the last reply's rows past its length; a captured pass attends over a span of the buffer
+    that holds them, so only the widened mask keeps them out: a reply after a longer one equals greedy `generate`."""
     base, model = graphed
     short, long = torch.tensor([PROMPTS[2]]), torch.tensor([PROMPTS[0] * 3])
     ref = base.generate(short, attention_mask=torch.ones_like(short), do_sample=False, max_new_tokens=16,
