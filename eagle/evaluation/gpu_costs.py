@@ -15,6 +15,7 @@ with capture off, as the tests do.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import time
@@ -200,8 +201,10 @@ def engine_tokens_per_s(model, ids: torch.Tensor, new: int, eagle: bool) -> dict
             "tokens_per_forward": tokens / (rounds + 1)}  # fmt: skip
 
 
-def pass_ms(model, rows: int, context: int) -> float:
-    """One graphed base pass over `rows` rows after `context` cached positions (as a verify pass runs it)."""
+@contextlib.contextmanager
+def graphed_pass(model, rows: int, context: int):
+    """Yields a function running one graphed base pass over `rows` rows after `context` cached positions (as a
+    verify pass runs it; the cache cropped back after each), the prefill done before."""
     from eagle.model.masks import additive_mask
 
     base, graphs = model.base, model.base.compiled
@@ -219,22 +222,30 @@ def pass_ms(model, rows: int, context: int) -> float:
                 graphs.run(ids[:, context:], positions, mask, cache, rows > 1)
                 cache.crop_to(context)
 
-            return median_ms(one, device)
+            yield one
     finally:
         graphs.release(cache)
 
 
-def replay_kernels(model, rows: int, context: int = 256, replays: int = 20, top: int = 12) -> dict:
-    """The kernels inside one graphed base pass: device ms per pass by kernel name (top `top`), their count, and
-    the device's total per pass against the wall time of a replay."""
+def pass_ms(model, rows: int, context: int) -> float:
+    """Median ms of one graphed base pass over `rows` rows after `context` cached positions."""
+    with graphed_pass(model, rows, context) as one:
+        return median_ms(one, model.base.input_device)
+
+
+def replay_kernels(model, rows: int, context: int = 256, passes: int = 20, top: int = 12) -> dict:
+    """The kernels inside one graphed base pass (`passes` of them profiled, nothing else): device ms per pass by
+    kernel name (top `top`), their count, and the device's total per pass against the wall time of a pass."""
     from torch.profiler import ProfilerActivity, profile
 
-    wall = pass_ms(model, rows, context)
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(replays // 20 or 1):
-            pass_ms(model, rows, context)
+    device = model.base.input_device
+    with graphed_pass(model, rows, context) as one:
+        wall = median_ms(one, device)
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(passes):
+                one()
+            sync(device)
     events = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
-    passes = 23 * (replays // 20 or 1)  # median_ms: 3 warm-up + 20 timed calls
     total = sum(e.self_device_time_total for e in events) / 1e3 / passes
     kernels = sorted(events, key=lambda e: -e.self_device_time_total)[:top]
     return {"wall_ms": wall, "device_ms": total, "kernels_per_pass": sum(e.count for e in events) / passes,
