@@ -28,6 +28,12 @@ from eagle.model.cuda_graphs import CAPACITY  # positions of the graphs' caches:
 
 ASSETS = Path(__file__).resolve().parents[2] / "assets"
 
+def llama3_rope(factor: float) -> dict:
+    """Llama 3.x's rotary scaling (rope_type llama3), `factor` the base's own."""
+    return dict(rope_type="llama3", rope_theta=500000.0, factor=factor, low_freq_factor=1.0, high_freq_factor=4.0,
+                original_max_position_embeddings=8192)
+
+
 # transformers LlamaConfig fields of each base, the tau its projection uses and where that tau comes from
 BASES = {
     "smollm2-135m": dict(
@@ -39,16 +45,14 @@ BASES = {
     "llama-3.2-1b": dict(
         config=dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
                     num_key_value_heads=8, head_dim=64, vocab_size=128256, tie_word_embeddings=True,
-                    rope_parameters=dict(rope_type="llama3", rope_theta=500000.0, factor=32.0, low_freq_factor=1.0,
-                                         high_freq_factor=4.0, original_max_position_embeddings=8192),
+                    rope_parameters=llama3_rope(32.0),
                     max_position_embeddings=131072, rms_norm_eps=1e-5),
         head=dict(intermediate_size=8192, draft_vocab_size=32000), dtype="bfloat16",
         tau=6.0, tau_source="the published EAGLE-3 heads' order of magnitude (about 6 at 60/7/10)"),
     "llama-3.1-8b": dict(
         config=dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                     num_key_value_heads=8, head_dim=128, vocab_size=128256, tie_word_embeddings=False,
-                    rope_parameters=dict(rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0,
-                                         high_freq_factor=4.0, original_max_position_embeddings=8192),
+                    rope_parameters=llama3_rope(8.0),
                     max_position_embeddings=131072, rms_norm_eps=1e-5),
         head=dict(intermediate_size=14336, draft_vocab_size=32000), dtype="bfloat16",
         tau=6.13, tau_source="EAGLE-3 paper, LLaMA-3.1-8B, MT-bench, T=0"),

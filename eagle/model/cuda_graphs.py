@@ -43,6 +43,11 @@ def spans_of(capacity: int) -> tuple[int, ...]:
     return tuple(s for s in SPANS if s < capacity) + (capacity,)
 
 
+def warm_lengths(spans: tuple[int, ...], rows: int, context: int) -> list[int]:
+    """Cached lengths at which a pass of `rows` rows captures every span's graph: `context`, then each span's end."""
+    return sorted({context} | {max(context, span - rows) for span in spans})
+
+
 class GraphedSteps:
     """One CUDA graph per key (a bucket of rows and its flags) of a function of static buffers, captured on the
     key's first call."""
@@ -141,7 +146,7 @@ class GraphedDecode(LeasedCache):
         """Like `BaseModel.decode` on q <= max bucket rows, with the cache left at length L + q."""
         q, length = input_ids.shape[1], cache.length
         rows = self.bucket(q)
-        span = next(s for s in self.spans if s >= length + rows)
+        span = bucket_for(length + rows, self.spans)
         ids, positions, mask = pad_rows(input_ids, position_ids, mask, rows)
         mask, write = widened(mask, span), torch.arange(length, length + rows, device=mask.device)
         step = functools.partial(self._step, features=features)
@@ -162,7 +167,7 @@ class GraphedDecode(LeasedCache):
                                   last_logits_only=True)  # fmt: skip
                 for rows in self.buckets:
                     t0 = time.perf_counter()
-                    for length in sorted({context} | {max(context, span - rows) for span in self.spans}):
+                    for length in warm_lengths(self.spans, rows, context):
                         cache.crop_to(length)  # positions past `context` hold zeros: a pass reads them masked in
                         allowed = torch.ones(rows, length + rows, dtype=torch.bool, device=device).tril(length)
                         positions = torch.arange(length, length + rows, device=device)[None]
@@ -207,7 +212,7 @@ class GraphedDraft(LeasedCache):
         rows = self.bucket(q)
         ids, positions, mask = pad_rows(input_ids, position_ids, mask, rows)
         hidden = torch.cat([hidden, hidden[:, -1:].expand(1, rows - q, -1)], dim=1)  # [1, rows, H]
-        span = next(s for s in self.spans if s >= write_at + rows)
+        span = bucket_for(write_at + rows, self.spans)
         mask, write = widened(mask, span), torch.arange(write_at, write_at + rows, device=mask.device)
         out, log_probs = self.steps.run((rows, span), self._step, (hidden, ids, positions, mask, write))
         return out[:q], log_probs[:q]
@@ -222,7 +227,7 @@ class GraphedDraft(LeasedCache):
             try:
                 for rows in self.buckets:
                     t0 = time.perf_counter()
-                    for at in sorted({context} | {max(context, span - rows) for span in self.spans}):
+                    for at in warm_lengths(self.spans, rows, context):
                         allowed = torch.ones(rows, at + rows, dtype=torch.bool, device=device).tril(at)
                         self.run(torch.zeros(1, rows, H, dtype=dtype, device=device),
                                  torch.zeros(1, rows, dtype=torch.long, device=device),

@@ -118,30 +118,21 @@ static inline vec block_dots(const float* q, const float* k, const int64_t* keys
 #endif
 }
 
-// out[D] = sum_c p[c] v[keys[c]] in c order (NV = D / VL vectors held in registers; 0: any D, in memory)
-template <int NV>
-void weighted_sum(const float* p, const int64_t* keys, int64_t n, const float* v, float* out, int64_t D = NV * VL) {
-  if constexpr (NV > 0) {
-    vec acc[NV] = {};
-    for (int64_t c = 0; c < n; c++) {
-      const float* vj = v + keys[c] * D;
-      for (int i = 0; i < NV; i++) acc[i] += p[c] * loadu(vj + i * VL);
-    }
-    for (int i = 0; i < NV; i++) storeu(out + i * VL, acc[i]);
-  } else {
-    std::fill(out, out + D, 0.f);
-    for (int64_t c = 0; c < n; c++) {
-      const float* vj = v + keys[c] * D;
-      int64_t d = 0;
-      for (; d + VL <= D; d += VL) storeu(out + d, loadu(out + d) + p[c] * loadu(vj + d));
-      for (; d < D; d++) out[d] += p[c] * vj[d];
-    }
+// out[D] = sum_c p[c] v[keys[c]] in c order, for any D (accumulated in memory; weighted_sums below holds the sums
+// in registers where D is 4 or 8 vectors)
+static void weighted_sum(const float* p, const int64_t* keys, int64_t n, const float* v, float* out, int64_t D) {
+  std::fill(out, out + D, 0.f);
+  for (int64_t c = 0; c < n; c++) {
+    const float* vj = v + keys[c] * D;
+    int64_t d = 0;
+    for (; d + VL <= D; d += VL) storeu(out + d, loadu(out + d) + p[c] * loadu(vj + d));
+    for (; d < D; d++) out[d] += p[c] * vj[d];
   }
 }
 
-// weighted_sum<NV> for the query heads of one key/value head at once, each key's value row loaded once for them
-// all: out + h * ostride = sum_c p[h * pstride + c] v[keys[c]] in c order, the same operations per head as
-// weighted_sum<NV> (heads in register blocks of 16 / NV).
+// out + h * ostride = sum_c p[h * pstride + c] v[keys[c]] in c order for the query heads of one key/value head at
+// once, D = NV * VL: each key's value row loaded once for them all, each head's NV vectors of sums in registers
+// (heads in register blocks of 16 / NV).
 template <int NV>
 void weighted_sums(const float* p, int64_t pstride, int64_t heads, const int64_t* keys, int64_t n, const float* v,
                    float* out, int64_t ostride) {
@@ -261,7 +252,7 @@ at::Tensor row_attention(const at::Tensor& q, const at::Tensor& k, const at::Ten
         weighted_sums<8>(s.data(), sstride, G, row_keys, n, vg, o.data(), ostride);
       else
         for (int64_t hh = 0; hh < G; hh++)
-          weighted_sum<0>(s.data() + hh * sstride, row_keys, n, vg, o.data() + hh * ostride, D);
+          weighted_sum(s.data() + hh * sstride, row_keys, n, vg, o.data() + hh * ostride, D);
       for (int64_t hh = 0; hh < G; hh++) {
         float* oi = op + (i * H + g * G + hh) * D;
         for (int64_t d = 0; d < D; d++) oi[d] = o[hh * ostride + d] / total[hh];
