@@ -199,3 +199,39 @@ def test_chunks_take_their_sources_in_turn_and_resume(inputs, tmp_path):
     assert all([m for m in c if m["role"] == "user"] == users[i][: len(c) // 2] for i, c in enumerate(turns))
     # (a second reply, written after the first, is tested in test_regen_all_turns.py: here the tiny base's first
     # replies run to the budget, which ends a conversation)
+
+
+def test_a_later_lease_continues_the_plan_from_the_handed_on_head(inputs, tmp_path):
+    """recipe.json, the head and every conversation so far travel from one lease's results to the next (`pack
+    --resume`): the next run makes only the chunks after the earlier ones, starts from that head, trains on both
+    and hands all of it on; a run whose plan differs is refused with the keys that differ."""
+    from eagle.train.gpu_recipe import chunks_done, resumed_files
+
+    common = ["--device", "cpu", "--gen-chunk", "8", "--gen-batch", "8", "--max-len", "48", "--max-new-tokens", "16",
+              "--epochs", "1", "--batch-tokens", "256", "--ttt-steps", "2", "--eval-samples", "4",
+              "--eval-every", "10", "--bench-per-category", "0", "--gen-minutes", "0"]  # fmt: skip
+    first, second = tmp_path / "first", tmp_path / "second"
+    main(["run", "--inputs", str(inputs / "in"), "--work", str(first), "--results", str(first / "results"),
+          "--init-from", "", *common])  # fmt: skip
+    back = unpack(first / "results", tmp_path / "back1")
+    recipe = json.loads(back["recipe.json"].read_text())
+    assert recipe["chunks_done"] == 1 and recipe["leases"][0]["chunks"] == [0, 1]
+
+    files = {n: p for n, p in unpack(inputs / "in", tmp_path / "files").items()}
+    files.update(resumed_files(tmp_path / "back1"))
+    pack(files, tmp_path / "in2", max_part_bytes=64 << 10)
+    main(["run", "--inputs", str(tmp_path / "in2"), "--work", str(second), "--results", str(second / "results"),
+          *common])  # fmt: skip
+    assert [p.name for p in sorted((second / "gen").glob("chunk_*.jsonl"))] == ["chunk_00001.jsonl"]
+    assert (second / "init-head" / "model.safetensors").read_bytes() == back["head-model.safetensors"].read_bytes()
+    back2 = unpack(second / "results", tmp_path / "back2")
+    recipe2 = json.loads(back2["recipe.json"].read_text())
+    assert recipe2["chunks_done"] == 2 and [x["chunks"] for x in recipe2["leases"]] == [[0, 1], [1, 2]]
+    lines = gzip.open(back2["generated.jsonl.gz"], "rt").read().splitlines()
+    earlier = gzip.open(back["generated.jsonl.gz"], "rt").read().splitlines()
+    assert len(earlier) == 8 and len(lines) == 16 and lines[8:] == earlier  # the earlier last: held out as before
+
+    with pytest.raises(ValueError, match="gen_chunk 8 -> 16"):
+        chunks_done(recipe2, {**recipe2["plan"], "gen_chunk": 16})
+    with pytest.raises(SystemExit, match="no recipe.json, head-config.json"):
+        resumed_files(tmp_path / "files")

@@ -179,6 +179,16 @@ def test_lr_schedule():
     assert f(60) == pytest.approx(0.55) and f(110) == pytest.approx(0.1)
 
 
+def test_a_time_budget_decays_the_rate_as_far_as_the_time_spent():
+    """With --max-minutes the cosine follows whichever of steps and time is further along, so a run stopped by
+    its budget ends at the low rate whatever its throughput."""
+    spent = [0.0]
+    f = lr_lambda(10, 110, 0.1, lambda: spent[0])
+    assert f(60) == pytest.approx(0.55)  # time behind the steps: the steps rule
+    spent[0] = 1.0
+    assert f(5) == pytest.approx(0.6) and f(20) == pytest.approx(0.1)  # warmup first, then the budget's end
+
+
 def test_every_epoch_has_the_same_number_of_batches():
     """Shuffles group samples into different numbers of batches; the step -> epoch mapping needs a fixed count
     (a shorter epoch used to leave `fit` looping forever at its end)."""

