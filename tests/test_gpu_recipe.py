@@ -168,6 +168,14 @@ def test_revocab_keeps_trained_rows_and_covers_the_new_replies():
     scale = trained[4:8].norm(dim=1).median() / lm_head[4:8].norm(dim=1).median()
     assert torch.allclose(w[4:], lm_head[8:12] * scale)  # new ids 8..11: the base's rows, scaled
 
+    # the same trained head re-derived at 12 ids (a vocabulary A/B from one head): ids 4..7 still keep their rows
+    big = DraftHead(DraftConfig.from_dict({**cfg, "draft_vocab_size": 12}, True), own_embedding=False)
+    counts[2:4] = 1  # the 12 most frequent: 2..13 (ties by id)
+    revocab(big, counts, lm_head, lambda _: None, old=(trained, torch.arange(8)))
+    ids = big.to_target_ids(torch.arange(12)).tolist()
+    assert ids == list(range(12)) and big.lm_head.weight.shape == (12, cfg["hidden_size"])
+    assert torch.equal(big.lm_head.weight.detach()[:8], trained)  # ids 0..7 were all trained
+
 
 def test_chunks_take_their_sources_in_turn_and_resume(inputs, tmp_path):
     """--sources openings,turns,magpie: chunks alternate over the sources until each runs out; the base's written

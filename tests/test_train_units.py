@@ -165,6 +165,38 @@ def test_trainer_loss_and_gradients(eagle3):
         assert trainer.target_head.shape == (30, 32) and set(stats) >= {"loss_2", "correct_2", "chain_accepted"}
 
 
+def test_the_acceptance_objective_is_minus_the_log_of_the_acceptance_chance():
+    """objective="accept": -log sum_x min(q, p_T); at T=0 the cross-entropy against the base's greedy token alone,
+    at T=1 zero where the draft's distribution is the base's; it trains (the loss falls) like "ce"."""
+    torch.manual_seed(0)
+    head, embed = _head(True, torch.float32, draft_vocab_size=50)
+    head.d2t.zero_(), head.t2d.fill_(True)
+    trainer = DraftTrainer(head, embed.weight.detach(), torch.randn(50, 32), steps=2, objective="accept")
+    logp = torch.randn(6, 50).log_softmax(-1)
+    target = torch.randn(6, 32)
+    greedy = trainer.base_logits(target).argmax(-1)
+    assert torch.allclose(trainer._accept_loss(logp, target), -logp.gather(1, greedy[:, None])[:, 0])
+    trainer.accept_temperature = 1.0
+    same = trainer.base_logits(target).log_softmax(-1)
+    assert trainer._accept_loss(same, target).abs().max() < 1e-5
+    assert (trainer._accept_loss(logp, target) > 0.05).all()
+    with pytest.raises(ValueError, match="'ce' or 'accept'"):
+        DraftTrainer(head, embed.weight.detach(), torch.randn(50, 32), objective="kl")
+
+    trainer.accept_temperature = 0.0
+    B, T = 2, 16
+    batch = {"input_ids": torch.randint(0, 50, (B, T)), "loss_mask": torch.ones(B, T, dtype=torch.bool),
+             "argmax": torch.randint(0, 50, (B, T)), "hidden": torch.randn(B, T, 32), "lengths": torch.tensor([T, T]),
+             "features": torch.randn(B, T, 96)}  # fmt: skip
+    optimizer = torch.optim.Adam([p for p in head.parameters() if p.requires_grad], lr=1e-2)
+    losses = []
+    for _ in range(20):
+        loss, _ = trainer(batch)
+        optimizer.zero_grad(), loss.backward(), optimizer.step()
+        losses.append(float(loss))
+    assert losses[-1] < 0.5 * losses[0]
+
+
 def test_make_batches_respects_token_budget():
     lengths = [5, 50, 7, 33, 12, 40, 8, 100, 3]
     batches = make_batches(lengths, 64, seed=1)

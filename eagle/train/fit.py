@@ -48,6 +48,8 @@ class FitConfig:
     ttt_steps: int = 7  # EAGLE-3 unrolled steps (also the eval depth of EAGLE-1/2 chains)
     decay: float = 0.8  # EAGLE-3 step weight decay
     p_weight: float = 0.1  # EAGLE-1/2 weight of the token loss
+    objective: str = "ce"  # EAGLE-3: "ce" (soft cross-entropy) or "accept" (losses.py: -log acceptance)
+    accept_temperature: float = 0.0  # the decoding temperature "accept" aims at
     noise: float | None = None  # EAGLE-1/2 feature noise width; None = 0.2 for eagle1, 0 for eagle3
     draft_vocab_size: int = 32000  # EAGLE-3 (capped at the base vocabulary)
     intermediate_size: int | None = None  # None = the base's
@@ -165,7 +167,8 @@ class Items:
 # ---------------------------------------------------------------------------------------------------------
 def build_head(cfg: FitConfig, items: Items, config: dict, log) -> DraftHead:
     """A fresh head (EAGLE-3: vocabulary from the training replies, lm_head/norm from the base's), or the head in
-    `cfg.init_from` (an exported folder or a training checkpoint; its draft vocabulary is kept)."""
+    `cfg.init_from` (an exported folder or a training checkpoint; its draft vocabulary is kept, or re-derived with
+    `cfg.revocab`, at `cfg.draft_vocab_size` ids where that differs from the head's)."""
     eagle3 = cfg.recipe == "eagle3"
     head = DraftHead(DraftConfig.from_dict(config, eagle3), own_embedding=False)
     # reply-token frequencies of the training split (one pass over the data): the vocabulary and its coverage
@@ -179,10 +182,20 @@ def build_head(cfg: FitConfig, items: Items, config: dict, log) -> DraftHead:
             _, state = read_checkpoint(cfg.init_from)
         state = {k: v for k, v in state.items() if k != "embed_tokens.weight"}
         own = head.state_dict()
+        old = None  # (lm_head rows [N0, H], their target ids [N0]) of a head whose vocabulary is resized
+        if eagle3 and state["lm_head.weight"].shape[0] != own["lm_head.weight"].shape[0]:
+            n0, n = state["lm_head.weight"].shape[0], own["lm_head.weight"].shape[0]
+            if not cfg.revocab:
+                raise ValueError(f"{cfg.init_from}: its draft vocabulary has {n0} ids, --draft-vocab-size {n}: add "
+                                 "--revocab to re-derive it at the new size, or ask for {n0}")  # fmt: skip
+            rows, d2t = state.pop("lm_head.weight"), state.pop("d2t")
+            state.pop("t2d")
+            old = (rows.float(), torch.arange(n0) + d2t)
+            state |= {k: own[k] for k in ("lm_head.weight", "d2t", "t2d")}  # replaced by revocab below
         head.load_state_dict({k: v.to(own[k].dtype) for k, v in state.items()}, strict=True)
         log(f"initialised from {cfg.init_from}")
         if eagle3 and cfg.revocab:
-            revocab(head, counts, items.sets[0].base_weights()["lm_head"], log)
+            revocab(head, counts, items.sets[0].base_weights()["lm_head"], log, old)
     elif eagle3:
         base = items.sets[0].base_weights()
         d2t, t2d = draft_vocab(counts, config["draft_vocab_size"])
@@ -201,26 +214,30 @@ def build_head(cfg: FitConfig, items: Items, config: dict, log) -> DraftHead:
 
 
 @torch.no_grad()
-def revocab(head: DraftHead, counts: torch.Tensor, base_lm_head: torch.Tensor, log) -> None:
-    """Re-derive a trained EAGLE-3 head's draft vocabulary from `counts` [V] (same size). An id kept keeps its
-    trained lm_head row; a new id starts from the base's output row [H], scaled to the trained rows' median norm."""
+def revocab(head: DraftHead, counts: torch.Tensor, base_lm_head: torch.Tensor, log,
+            old: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:  # fmt: skip
+    """Re-derive a trained EAGLE-3 head's draft vocabulary from `counts` [V], at the head's size N. An id kept keeps
+    its trained lm_head row; a new id starts from the base's output row [H], scaled to the trained rows' median norm.
+    old: the trained (rows [N0, H], target ids [N0]) where the head was built at another size (default: its own)."""
     size = head.d2t.numel()
-    before = coverage(counts, head.t2d)
-    old_ids = head.to_target_ids(torch.arange(size))  # [N] target id of each old draft id
+    if old is None:
+        old = (head.lm_head.weight.detach().clone(), head.to_target_ids(torch.arange(size)))
+    old_rows, old_ids = old  # [N0, H], [N0]
+    before = counts[old_ids].sum().item() / max(counts.sum().item(), 1)
     d2t, t2d = draft_vocab(counts, size)
     new_ids = torch.arange(size) + d2t  # [N]
     row_of = torch.full((counts.numel(),), -1, dtype=torch.long)
-    row_of[old_ids] = torch.arange(size)
+    row_of[old_ids] = torch.arange(len(old_ids))
     kept = row_of[new_ids]  # [N] old row of each new draft id, -1 = new id
-    old_rows, base_rows = head.lm_head.weight.detach().clone(), base_lm_head[new_ids].float()  # [N, H]
+    base_rows = base_lm_head[new_ids].float()  # [N, H]
     shared = kept >= 0
     scale = old_rows[kept[shared]].norm(dim=1).median() / base_rows[shared].norm(dim=1).median()
     rows = torch.where(shared[:, None], old_rows[kept.clamp(min=0)], base_rows * scale)
     head.d2t.copy_(d2t)
     head.t2d.copy_(t2d)
     head.lm_head.weight.copy_(rows.to(head.lm_head.weight.dtype))
-    log(f"draft vocabulary re-derived: {int(shared.sum())} of {size} ids kept, coverage of the training replies "
-        f"{before:.2%} -> {coverage(counts, t2d):.2%}")
+    log(f"draft vocabulary re-derived: {len(old_ids)} -> {size} ids, {int(shared.sum())} kept, coverage of the "
+        f"training replies {before:.2%} -> {coverage(counts, t2d):.2%}")
 
 
 def lr_lambda(warmup: int, total: int, min_ratio: float, time_spent=lambda: 0.0):
@@ -313,7 +330,7 @@ def fit(cfg: FitConfig, log=print) -> Path:
     noise = cfg.noise if cfg.noise is not None else (0.0 if eagle3 else 0.2)
     transform = logit_transform(meta["base_config"], meta.get("base_model_type"))  # soft targets: the base's logits
     trainer = DraftTrainer(head, base["embed"], base["lm_head"], cfg.ttt_steps, cfg.decay, cfg.p_weight, noise,
-                           transform)  # fmt: skip
+                           transform, cfg.objective, cfg.accept_temperature)  # fmt: skip
     embedding = base["embed"] if (not eagle3 and cfg.include_embedding) else None
     del base
     n_params = sum(p.numel() for p in head.parameters() if p.requires_grad)

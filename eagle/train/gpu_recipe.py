@@ -365,7 +365,8 @@ def cmd_run(args) -> None:
 
     head = work / "head"
     fit(FitConfig(data=[str(cache)], out=str(work / "run"), recipe="eagle3", epochs=args.epochs, lr=args.lr,
-                  batch_tokens=args.batch_tokens, ttt_steps=args.ttt_steps, draft_vocab_size=8192,
+                  batch_tokens=args.batch_tokens, ttt_steps=args.ttt_steps, draft_vocab_size=args.draft_vocab,
+                  objective=args.objective, accept_temperature=args.accept_temperature,
                   init_from=args.init_from or None, revocab=args.revocab, eval_samples=args.eval_samples,
                   eval_every=args.eval_every,
                   save_every=args.eval_every, log_every=20, resume=True, export_dir=str(head),
@@ -482,6 +483,11 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--ttt-steps", type=int, default=7, help="training-time test depth (the GPU tree drafts 7 deep)")
     r.add_argument("--init-from", default=None, help="head to start from ('' = fresh; default: the head the bundle "
                    "carries from an earlier lease, else the shipped one)")
+    r.add_argument("--draft-vocab", type=int, default=8192, help="draft vocabulary size (another size than the "
+                   "started-from head's needs --revocab)")
+    r.add_argument("--objective", choices=["ce", "accept"], default="ce", help="ce: soft cross-entropy against the "
+                   "base (EAGLE-3); accept: -log of the chance that decoding at --accept-temperature accepts a draft")
+    r.add_argument("--accept-temperature", type=float, default=0.0)
     r.add_argument("--revocab", action="store_true", help="re-derive the started-from head's draft vocabulary "
                    "from this run's replies (kept ids keep their trained rows)")
     r.add_argument("--eval-samples", type=int, default=256)

@@ -5,6 +5,12 @@ cross-entropy of the draft's distribution over its reduced vocabulary against so
 that vocabulary); positions whose base argmax is outside the draft vocabulary are left out; total = sum_k 0.8^k
 loss_k. No feature regression.
 
+`objective="accept"` (EAGLE-3) aims at acceptance itself instead: step k's loss is -log sum_x min(q(x), p_T(x)), q
+the draft's distribution and p_T the base's at the decoding temperature T (restricted to the draft vocabulary):
+sum_x min(q, p_T) is the chance that speculative sampling at T accepts a token drafted from q. At T = 0, p_T is the
+base's greedy token and the loss is -log q(greedy), the cross-entropy against that token alone; at T = 1 it is
+zero exactly when the draft matches the base.
+
 EAGLE-1/2 (reference `eagle/train/main.py`): one step; smooth-L1 between the predicted and the real next feature
 (averaged over the hidden dim) + 0.1 x soft cross-entropy of base logits of the predicted feature against
 softmax(base logits of the real one) over the full vocabulary; the input features get uniform noise
@@ -43,8 +49,13 @@ class DraftTrainer(nn.Module):
         p_weight: float = 0.1,
         noise: float = 0.0,  # EAGLE-1/2 uniform noise width (0.2 in the reference: U(-0.1, 0.1) * 512 / len)
         logit_transform: Callable[[torch.Tensor], torch.Tensor] | None = None,  # the base's, after lm_head
+        objective: str = "ce",  # EAGLE-3: "ce" (soft cross-entropy) or "accept" (-log acceptance at temperature)
+        accept_temperature: float = 0.0,  # the decoding temperature "accept" aims at (0 = greedy)
     ):
         super().__init__()
+        if objective not in ("ce", "accept"):
+            raise ValueError(f"objective {objective!r}: 'ce' or 'accept'")
+        self.objective, self.accept_temperature = objective, accept_temperature
         self.head = head
         self.eagle3 = head.eagle3
         self.steps, self.decay, self.p_weight, self.noise = steps, decay, p_weight, noise
@@ -87,7 +98,7 @@ class DraftTrainer(nn.Module):
             with torch.no_grad():
                 target = shift(batch["hidden"], k + 1)[keep]  # [N, H] h_{j+k+1}: its logits predict x_{j+k+2}
                 target_p = self.base_logits(target).softmax(-1)  # [N, Vd]
-            ce = -(target_p * logp).sum(-1)  # [N]
+            ce = -(target_p * logp).sum(-1) if self.objective == "ce" else self._accept_loss(logp, target)  # [N]
             n = keep.sum()
             loss_k = ce.sum() / n.clamp(min=1)
             loss = loss + self.decay**k * loss_k
@@ -102,6 +113,18 @@ class DraftTrainer(nn.Module):
                 stats[f"kept_{k}"] = n
         self._chain_stats(stats, correct, continues, batch)
         return loss, stats
+
+    def _accept_loss(self, logp: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """logp [N, Vd] the draft's log-probabilities, target [N, H] the base's features -> [N] -log sum_x min(q(x),
+        p_T(x)): minus the log of the chance that speculative sampling at the temperature accepts q's draft."""
+        with torch.no_grad():
+            logits = self.base_logits(target)  # [N, Vd]
+            if self.accept_temperature > 0:
+                p = (logits / self.accept_temperature).softmax(-1)
+            else:  # greedy: the base's argmax alone
+                p = F.one_hot(logits.argmax(-1), logits.shape[-1]).to(logp.dtype)
+        accepted = torch.minimum(logp.exp(), p).sum(-1)  # [N]
+        return -accepted.clamp(min=1e-12).log()
 
     def _eagle1_loss(self, outs: list[torch.Tensor], batch: dict) -> tuple[torch.Tensor, dict]:
         stats, correct, continues = {}, [], []
