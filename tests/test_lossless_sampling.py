@@ -93,3 +93,22 @@ def test_the_distribution_check_catches_a_lossy_verifier(model, monkeypatch):
     params = SamplingParams(1.0)
     counts = sample_pairs(model, params, n=300, seed=0)
     assert chi_square_p_value(counts, exact_pair_distribution(model, params)) < P_VALUE
+
+
+def test_the_exponential_race_draws_each_token_with_its_probability():
+    """The batched draw of the CUDA path (no host sync): each row's token x comes with probability p(x), tokens
+    of probability 0 never; the same check rejects a race run the wrong way round (argmax p * E)."""
+    from eagle.model.verify import exponential_race
+
+    g = torch.Generator().manual_seed(0)
+    probs = torch.softmax(torch.randn(3, 12, generator=g) * 1.5, -1)
+    probs[:, :3] = 0  # filtered out (top-k / top-p)
+    probs /= probs.sum(-1, keepdim=True)
+    n = 20000
+    draws = torch.stack([exponential_race(probs, g) for _ in range(n)])  # [n, 3]
+    for row in range(3):
+        counts = torch.bincount(draws[:, row], minlength=12)
+        assert counts[:3].sum() == 0
+        assert chi_square_p_value(counts, probs[row]) > P_VALUE
+    wrong = torch.stack([(probs * torch.empty_like(probs).exponential_(generator=g)).argmax(-1) for _ in range(n)])
+    assert chi_square_p_value(torch.bincount(wrong[:, 0], minlength=12), probs[0]) < P_VALUE

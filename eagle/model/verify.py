@@ -74,18 +74,27 @@ class TokenPicker:
 
     def draws(self, logits: torch.Tensor) -> torch.Tensor | None:
         """[n, V] logits of the tree nodes -> [n] one base token per node, on the device: the argmax, or on CUDA
-        one batched draw. Independent draws per node keep the walk exact: the nodes it visits are decided by
-        earlier draws, never by their own. None on CPU when sampling: a top-p sort over every row costs more
-        there than the few nodes a walk visits (`node_picker`)."""
+        one batched draw (`exponential_race`: no host sync). Independent draws per node keep the walk exact: the
+        nodes it visits are decided by earlier draws, never by their own. None on CPU when sampling: a top-p sort
+        over every row costs more there than the few nodes a walk visits (`node_picker`)."""
         if self.params.greedy:
             return logits.argmax(dim=-1)
         if logits.device.type == "cuda":
-            return torch.multinomial(self.probs(logits), 1)[:, 0]
+            return exponential_race(self.probs(logits))
         return None
 
     def node_picker(self, logits: torch.Tensor):
         """[n, V] logits -> a function node -> base token, drawn when the walk reaches the node."""
         return lambda node: int(torch.multinomial(self.probs(logits[node : node + 1])[0], 1))
+
+
+def exponential_race(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """[n, V] probabilities -> [n] one draw per row, token x with probability p(x): the first of V exponential
+    clocks of rates p(x) to ring, argmin E(x) / p(x) = argmax p(x) / E(x) with E iid Exp(1). Unlike
+    torch.multinomial it never waits for the device; tokens of probability 0 never win (E > 0 is kept above
+    the smallest normal float, which moves no draw of a float32 probability)."""
+    clocks = torch.empty_like(probs).exponential_(generator=generator).clamp_min_(torch.finfo(probs.dtype).tiny)
+    return (probs / clocks).argmax(-1)
 
 
 def accept(tree: TreeDraft | DraftTree, logits: torch.Tensor, picker: TokenPicker) -> tuple[DraftTree, list[int], int]:
