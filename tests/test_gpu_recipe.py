@@ -243,3 +243,25 @@ def test_a_later_lease_continues_the_plan_from_the_handed_on_head(inputs, tmp_pa
         chunks_done(recipe2, {**recipe2["plan"], "gen_chunk": 16})
     with pytest.raises(SystemExit, match="no recipe.json, head-config.json"):
         resumed_files(tmp_path / "files")
+
+
+def test_arms_train_several_heads_on_the_same_data_and_hand_on_the_best(inputs, tmp_path):
+    """--arms: one head per objective and draft vocabulary from the same cache and start; each arm's head,
+    profile and evaluation travel back, and the head handed on is the arm with the best held-out tau."""
+    from eagle.train.gpu_recipe import parse_arms
+
+    work, results = tmp_path / "work", tmp_path / "results"
+    main(["run", "--inputs", str(inputs / "in"), "--work", str(work), "--results", str(results), "--device", "cpu",
+          "--gen-chunk", "8", "--gen-batch", "8", "--max-len", "48", "--max-new-tokens", "16", "--epochs", "1",
+          "--batch-tokens", "256", "--ttt-steps", "2", "--init-from", "", "--eval-samples", "4", "--eval-every", "10",
+          "--bench-per-category", "0", "--arms", "ce:64,accept:48"])  # fmt: skip
+    out = unpack(results, tmp_path / "back")
+    for arm, vocab in (("ce-64", 64), ("accept-48", 48)):
+        assert {f"arm-{arm}-{n}" for n in ("config.json", "model.safetensors", "acceptance.json", "eval.json")} <= set(out)
+        assert json.loads(out[f"arm-{arm}-config.json"].read_text())["draft_vocab_size"] == vocab
+    taus = {arm: json.loads(out[f"arm-{arm}-eval.json"].read_text())["tau"] for arm in ("ce-64", "accept-48")}
+    best = max(taus, key=taus.get)
+    assert out["head-model.safetensors"].read_bytes() == out[f"arm-{best}-model.safetensors"].read_bytes()
+    assert parse_arms("", "accept", 4096) == [("accept", 4096)]
+    with pytest.raises(ValueError, match="OBJECTIVE:VOCAB"):
+        parse_arms("ce:8k", "ce", 8192)

@@ -322,7 +322,6 @@ def cmd_run(args) -> None:
     from eagle.default_model import MARKER, convert_gguf
 
     from .data import PrepareConfig, prepare
-    from .fit import FitConfig, fit
 
     start = time.time()
     work = Path(args.work)
@@ -363,18 +362,7 @@ def cmd_run(args) -> None:
             conversations=samples)  # fmt: skip
     log("features cached")
 
-    head = work / "head"
-    fit(FitConfig(data=[str(cache)], out=str(work / "run"), recipe="eagle3", epochs=args.epochs, lr=args.lr,
-                  batch_tokens=args.batch_tokens, ttt_steps=args.ttt_steps, draft_vocab_size=args.draft_vocab,
-                  objective=args.objective, accept_temperature=args.accept_temperature,
-                  init_from=args.init_from or None, revocab=args.revocab, eval_samples=args.eval_samples,
-                  eval_every=args.eval_every,
-                  save_every=args.eval_every, log_every=20, resume=True, export_dir=str(head),
-                  max_minutes=args.fit_minutes, base_model_path=str(base), eval_generate=4))  # fmt: skip
-    log(f"head trained: {head}")
-    heldout = profile_heldout(head, cache, args.eval_samples)
-    log(f"acceptance profile on {heldout['samples']} held-out conversations"
-        + (f": {head / 'acceptance.json'}" if heldout["samples"] else ""))
+    head = train_arms(args, cache, base, work)
 
     bench = work / "bench"
     if args.bench_per_category:
@@ -391,6 +379,58 @@ def cmd_run(args) -> None:
     (work / RECIPE).write_text(json.dumps(manifest, indent=1) + "\n")
     write_results(work, Path(args.results), previous)
     log(f"recipe done in {(time.time() - start) / 60:.1f} min; results in {args.results}")
+
+
+def parse_arms(text: str, objective: str, vocab: int) -> list[tuple[str, int]]:
+    """--arms "ce:8192,accept:4096" -> [(objective, draft vocabulary)]; "" -> the one arm of --objective and
+    --draft-vocab."""
+    if not text:
+        return [(objective, vocab)]
+    arms = []
+    for item in text.split(","):
+        name, _, size = item.partition(":")
+        if name not in ("ce", "accept") or not size.isdigit():
+            raise ValueError(f"--arms {text}: each arm is OBJECTIVE:VOCAB, OBJECTIVE ce or accept (got {item!r})")
+        arms.append((name, int(size)))
+    return arms
+
+
+def train_arms(args, cache: Path, base: Path, work: Path) -> Path:
+    """Train each arm (`parse_arms`) on the same cache from the same head for `--fit-minutes`, profile it on the
+    held-out conversations, and return the folder of the head handed on: the one arm's, or among several the arm
+    with the best held-out tau (every arm's head, profile and evaluation stay under work/arms/<objective>-<vocab>,
+    and travel in the results)."""
+    from .fit import FitConfig, fit
+
+    arms = parse_arms(args.arms, args.objective, args.draft_vocab)
+    start = json.loads((Path(args.init_from) / "config.json").read_text()) if args.init_from else {}
+    best, head = -1.0, work / "head"
+    for objective, vocab in arms:
+        name = f"{objective}-{vocab}"
+        run, out = (work / "run", head) if len(arms) == 1 else (work / f"run-{name}", work / "arms" / name)
+        revocab = args.revocab or (bool(start) and start.get("draft_vocab_size") != vocab)
+        fit(FitConfig(data=[str(cache)], out=str(run), recipe="eagle3", epochs=args.epochs, lr=args.lr,
+                      batch_tokens=args.batch_tokens, ttt_steps=args.ttt_steps, draft_vocab_size=vocab,
+                      objective=objective, accept_temperature=args.accept_temperature,
+                      init_from=args.init_from or None, revocab=revocab, eval_samples=args.eval_samples,
+                      eval_every=args.eval_every, save_every=args.eval_every, log_every=20, resume=True,
+                      export_dir=str(out), max_minutes=args.fit_minutes, base_model_path=str(base),
+                      eval_generate=4))  # fmt: skip
+        heldout = profile_heldout(out, cache, args.eval_samples)
+        evaluated = run / "best" / "eval.json"
+        tau = json.loads(evaluated.read_text())["tau"] if evaluated.is_file() else 0.0
+        if evaluated.is_file() and out != head:
+            (out / "eval.json").write_bytes(evaluated.read_bytes())
+        log(f"arm {name}: held-out tau {tau:.4f}, acceptance profile on {heldout['samples']} conversations")
+        if len(arms) > 1 and tau > best:
+            best = tau
+            head.mkdir(parents=True, exist_ok=True)
+            for f in out.iterdir():
+                (head / f.name).write_bytes(f.read_bytes())
+        if (run / "log.jsonl").is_file() and out != head:
+            (out / "log.jsonl").write_bytes((run / "log.jsonl").read_bytes())
+    log(f"head handed on: {head}")
+    return head
 
 
 def profile_heldout(head: Path, cache: Path, samples: int) -> dict:
@@ -428,6 +468,9 @@ def write_results(work: Path, results: Path, previous: list[Path] = ()) -> None:
         for line in conversation_lines(sorted((work / "gen").glob("chunk_*.jsonl")) + list(previous)):
             f.write(line + "\n")
     files = {"generated.jsonl.gz": gen}
+    for path in sorted((work / "arms").glob("*/*")):  # several arms: each arm's head, profile and evaluation
+        if path.name in ("config.json", "model.safetensors", "acceptance.json", "eval.json", "log.jsonl"):
+            files[f"arm-{path.parent.name}-{path.name}"] = path
     for name in (RECIPE, "head/config.json", "head/model.safetensors", "head/acceptance.json", "run/log.jsonl",
                  "run/best/eval.json",
                  "bench/bench.json", "bench/bench.md"):  # fmt: skip
@@ -488,6 +531,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--objective", choices=["ce", "accept"], default="ce", help="ce: soft cross-entropy against the "
                    "base (EAGLE-3); accept: -log of the chance that decoding at --accept-temperature accepts a draft")
     r.add_argument("--accept-temperature", type=float, default=0.0)
+    r.add_argument("--arms", default="", help="several heads from the same data and start, each --fit-minutes: "
+                   "OBJECTIVE:VOCAB,... (e.g. ce:8192,accept:8192,ce:4096,ce:16384); the best held-out tau is "
+                   "handed on, every arm's profile travels back")
     r.add_argument("--revocab", action="store_true", help="re-derive the started-from head's draft vocabulary "
                    "from this run's replies (kept ids keep their trained rows)")
     r.add_argument("--eval-samples", type=int, default=256)
