@@ -285,7 +285,7 @@ def context_rounds(engine, spec, log) -> Iterator[str | Loading | Wait]:
 
 def _round_steps(engine, spec, chain: int, log) -> Iterator[str | Loading | Wait]:
     """The greedy round's compiled steps for the tree in use with a context chain of `chain` nodes (0: none): a child
-    compiles them (unless a manifest says they are in inductor's cache), they are loaded a graph a unit and put in
+    compiles them (unless a manifest says they are compiled already), they are loaded a graph a unit and put in
     `model.compiled_rounds`. Returns True when they came in, the child's error (a string) when compiling failed,
     None when there was nothing to do (a static tree, eager forwards or CUDA graphs) or the head or the tree changed
     meanwhile."""

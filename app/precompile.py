@@ -75,7 +75,7 @@ class CompileSpec:
 
     def key(self) -> str:
         """The spec, torch, the compiled code and options, and this machine: a manifest under this name says the
-        graphs are in inductor's cache."""
+        graphs are in the caches (aot_store's saved graphs, inductor's)."""
         import torch
 
         from eagle.model.tuner import compiled_options, cpu_description
@@ -91,12 +91,13 @@ def manifest_path(spec: CompileSpec) -> Path:
 
 
 def compiled_before(spec: CompileSpec) -> bool:
-    """Whether a child compiled these graphs to the inductor cache that is still there."""
+    """Whether a child compiled these graphs to the caches that are still there (the saved graphs' and inductor's)."""
     path = manifest_path(spec)
     if not path.is_file():
         return False
     try:
-        return Path(json.loads(path.read_text())["inductor_cache"]).is_dir()
+        manifest = json.loads(path.read_text())
+        return all(Path(manifest[k]).is_dir() for k in ("inductor_cache", "saved_graphs"))
     except (ValueError, KeyError, OSError):
         return False
 
@@ -151,12 +152,14 @@ class ChildCompile:
         return self._ended == len(self.processes)
 
     def _write_manifest(self) -> None:
+        from eagle.model import aot_store
         from eagle.model.compiled import use_project_inductor_cache
 
         manifest = manifest_path(self.spec)
         manifest.parent.mkdir(parents=True, exist_ok=True)
         manifest.write_text(json.dumps({"spec": json.loads(self.spec.to_json()),
-                                        "inductor_cache": use_project_inductor_cache()}))  # fmt: skip
+                                        "inductor_cache": use_project_inductor_cache(),
+                                        "saved_graphs": str(aot_store.folder())}))  # fmt: skip
 
     @property
     def ok(self) -> bool:

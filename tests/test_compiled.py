@@ -161,16 +161,19 @@ def test_inductor_cache_goes_to_the_project_cache_unless_the_user_chose_one(monk
 
 
 @pytest.mark.parametrize("linears", ["panel", "inductor"])
-def test_compiled_graphs_freeze_the_weights_and_go_to_the_disk_cache(folder, monkeypatch, linears):
-    """The graphs run on weights frozen into them, never matmuls over weight inputs: where the panel kernel runs,
-    the few-row layers call it on their panels for every row count while compiled; elsewhere they go back to
-    nn.Linear (dynamo lifts a custom module's weights as inputs) for inductor's own GEMMs. Either way they come
-    back with their plan when compiling is undone. Inductor's graph cache keeps the frozen graphs (no MKL-packed
-    weight, an mkldnn tensor it cannot store, is left in them), so a later start loads them instead of lowering
-    them again. The layers that read the same input (q/k/v, gate/up) make one kernel call in a graph."""
+def test_compiled_graphs_freeze_the_weights_and_go_to_the_disk_cache(folder, monkeypatch, tmp_path, linears):
+    """The graphs never run matmuls over weight inputs: where the panel kernel runs, the few-row layers call it on
+    their panels for every row count while compiled, and each graph is saved whole (aot_store.py: a later start
+    loads it without tracing); elsewhere they go back to nn.Linear (dynamo lifts a custom module's weights as
+    inputs) for inductor's own GEMMs on weights frozen into the graph. Either way they come back with their plan
+    when compiling is undone. Inductor's graph cache keeps the graphs' code (no MKL-packed weight, an mkldnn tensor
+    it cannot store, is left in a frozen one). The layers that read the same input (q/k/v, gate/up) make one
+    kernel call in a graph."""
     from torch._dynamo.utils import counters
 
     from eagle.model import few_rows, panel_kernel
+
+    monkeypatch.setenv("EAGLE_AOT_DIR", str(tmp_path / "aot"))
 
     if linears == "panel" and not panel_kernel.available():
         pytest.skip(f"panel kernel: {panel_kernel._state.get('why')}")
@@ -185,7 +188,11 @@ def test_compiled_graphs_freeze_the_weights_and_go_to_the_disk_cache(folder, mon
         counters.clear()
         base.compiled.warm()
         cached = counters["inductor"]
-        assert cached["fxgraph_cache_bypass"] == 0 and cached["fxgraph_cache_miss"] + cached["fxgraph_cache_hit"] >= 1
+        if linears == "panel":  # saved whole, for later starts
+            assert len(list((tmp_path / "aot").glob("*.bin"))) == 1
+        else:  # frozen, its code in inductor's cache
+            assert cached["fxgraph_cache_bypass"] == 0 and cached["fxgraph_cache_miss"] + cached["fxgraph_cache_hit"] >= 1
+            assert not (tmp_path / "aot").exists() or not list((tmp_path / "aot").glob("*.bin"))
         cache = base.new_cache(16)
         with torch.inference_mode():
             base.forward(torch.tensor([[1, 2, 3]]), torch.arange(3)[None], cache, last_logits_only=True)

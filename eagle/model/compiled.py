@@ -17,11 +17,15 @@ loops, the graph's kernel calls are made from C++ (`cpp_wrapper`), the other wei
 kernels as candidates too, then with MKL's alone (`GEMM_BACKENDS`). Frozen CPP GEMMs hold their own packed copy of
 the weights, as the panels do.
 
-Compiled artefacts are cached on disk under `cache_dir()/inductor` (TORCHINDUCTOR_CACHE_DIR if set): inductor's
-graph cache keeps each bucket's lowered graph, C++ library and frozen weights, so a later start skips lowering,
-autotuning and the C++ build and only traces again. That needs `freeze_without_mkl_packing` (a graph holding MKL's
-packed weights, mkldnn tensors, is never cached), and each entry is keyed on the weights themselves
-(`weights_fingerprint`): inductor's key covers only their shapes. The app compiles in child processes and swaps the
+Where the linears run the panel kernel, each bucket's graph is compiled whole with `aot_compile` and saved
+(aot_store.py, `cache_dir()/aot`): the weights stay inputs (no freezing; sibling layers' identical kernel calls are
+merged by `aot_store.SameKernelCalls` instead of freezing's common-subexpression pass), and a later process loads
+the graph without tracing and calls it without dynamo's guards. Otherwise (inductor's own GEMMs, or a graph that
+`aot_compile` cannot take) the graph is traced in each process with the weights frozen, and inductor's graph cache
+under `cache_dir()/inductor` (TORCHINDUCTOR_CACHE_DIR if set) keeps each bucket's lowered graph, C++ library and
+frozen weights, so a later start skips lowering, autotuning and the C++ build and only traces again. That needs
+`freeze_without_mkl_packing` (a graph holding MKL's packed weights, mkldnn tensors, is never cached), and each entry
+is keyed on the weights themselves (`weights_fingerprint`): inductor's key covers only their shapes. The app compiles in child processes and swaps the
 graphs in when they are ready (app/precompile.py, app/idle_work.py). On CUDA, runners.py builds CUDA graphs instead
 (cuda_graphs.py). BENCHMARKS.md has what each of these choices measured.
 """
@@ -36,7 +40,7 @@ import time
 
 import torch
 
-from . import few_rows
+from . import aot_store, few_rows
 from .masks import additive_mask
 
 BUCKETS = (1, 4, 8, 16)
@@ -146,21 +150,31 @@ def weights_fingerprint(*modules: torch.nn.Module) -> str:
     return digest.hexdigest()
 
 
+class AotUnavailable(Exception):
+    """A graph that `aot_compile` cannot take (a graph break, a guard it cannot save): traced the usual way."""
+
+
 class BucketGraphs:
-    """`fn` compiled once per bucket of rows: the rows static in each graph, every other size symbolic. `call`
-    runs the bucket's graph and, where no CPP GEMM applies to one of its shapes, compiles it again with the next
-    GEMM backends (`undo` first puts back any state the failed call changed)."""
+    """`fn` compiled once per bucket of rows: the rows static in each graph, every other size symbolic. Where the linears run the panel kernel, each graph is compiled whole and saved (aot_store.py), so a
+    later process loads it without tracing; otherwise, and where that fails, it is traced with the weights frozen
+    and inductor's cache keeps its code (`_traced_graph`). `call` runs the bucket's graph and, where no CPP GEMM
+    applies to one of its shapes, compiles it again with the next GEMM backends (`undo` first puts back any state
+    the failed call changed)."""
 
     def __init__(self, fn, buckets, weights: tuple[torch.nn.Module, ...], what: str):
-        """weights: the modules whose weights `fn` reads (frozen into the graphs; inductor's C++ graphs are for
-        CPU), the one whose linears the graphs run first; what: named in the refusal."""
+        """fn: a function whose models and settings are its closure's (constants to dynamo: a tree's sizes stay
+        static); weights: the modules whose weights it reads (inductor's C++ graphs are for CPU), the one whose
+        linears the graphs run first; what: named in the refusal."""
         if any(t.device.type != "cpu" for module in weights for t in module.parameters()):
             raise ValueError(f"{what} are built for CPU (inductor) only; on CUDA, cuda_graphs.py builds them")
         use_project_inductor_cache()
         freeze_without_mkl_packing()
-        self.cache_key_tag = weights_fingerprint(*weights)
+        self.weights = weights
+        self.cache_key_tag: str | None = None  # weights_fingerprint, made when a graph is first traced
         self.model = weights[0]
         self.fn = fn
+        # saved whole where no weight needs freezing: the linears' panels are the kernel's own operands
+        self.aot = bool(few_rows.plan_of(self.model)) and os.environ.get("EAGLE_AOT_GRAPHS", "1") != "0"
         self.buckets = tuple(sorted(buckets))
         self.backend: dict[int, int] = {}  # rows -> index into GEMM_BACKENDS
         self.graphs: dict[int, object] = {}  # rows -> compiled fn
@@ -178,21 +192,50 @@ class BucketGraphs:
 
     def _graph(self, rows: int):
         if rows not in self.graphs:
-            options = {**OPTIONS, "max_autotune_gemm_backends": self.gemms(rows)}
-            graph = torch.compile(self.fn, dynamic=True)
-            tag = self.cache_key_tag
-
-            def call(*args):
-                # a config scope, not torch.compile's options=: freezing is decided while dynamo traces, before
-                # those options apply (with them the weights stayed graph inputs and the GEMMs plain MKL calls)
-                with torch._inductor.config.patch(options), torch.compiler.config.patch(cache_key_tag=tag):
-                    # every call, not only the tracing one: dynamo guards on the variable, so a call outside the
-                    # scope would fail its graph's guards and trace another
-                    with kv_heads_shared(), torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
-                        return graph(*args)
-
-            self.graphs[rows] = call
+            self.graphs[rows] = self._saved_graph(rows) if self.aot else self._traced_graph(rows)
         return self.graphs[rows]
+
+    def _saved_graph(self, rows: int):
+        """The bucket's graph from aot_store, or, at its first call, compiled whole on that call's arguments,
+        saved and loaded back. Raises AotUnavailable where aot_compile cannot take it."""
+        # ATen's GEMMs for any linear off the panel kernel: the CPP template packs only frozen weights
+        options = {**OPTIONS, "freezing": False, "max_autotune_gemm_backends": "ATEN",
+                   "post_grad_custom_post_pass": aot_store.SameKernelCalls()}  # fmt: skip
+        name = aot_store.key(self.fn, rows, options)
+        loaded = aot_store.load(name, self.fn)
+        if loaded is not None:
+            return loaded
+
+        def first(*args):
+            try:
+                with torch._inductor.config.patch(options), kv_heads_shared():
+                    graph = aot_store.compile_and_save(self.fn, args, name)
+            except Exception as e:  # noqa: BLE001 - traced the usual way instead (`call`)
+                raise AotUnavailable(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e
+            self.graphs[rows] = graph
+            return graph(*args)
+
+        return first
+
+    def _traced_graph(self, rows: int):
+        """The bucket's graph as torch.compile traces it in this process, the weights frozen into it (inductor's
+        cache keeps the lowered code, keyed on the weights too: `weights_fingerprint`)."""
+        options = {**OPTIONS, "max_autotune_gemm_backends": self.gemms(rows)}
+        graph = torch.compile(self.fn, dynamic=True)
+        if self.cache_key_tag is None:
+            self.cache_key_tag = weights_fingerprint(*self.weights)
+        tag = self.cache_key_tag
+
+        def call(*args):
+            # a config scope, not torch.compile's options=: freezing is decided while dynamo traces, before
+            # those options apply (with them the weights stayed graph inputs and the GEMMs plain MKL calls)
+            with torch._inductor.config.patch(options), torch.compiler.config.patch(cache_key_tag=tag):
+                # every call, not only the tracing one: dynamo guards on the variable, so a call outside the
+                # scope would fail its graph's guards and trace another
+                with kv_heads_shared(), torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
+                    return graph(*args)
+
+        return call
 
     def call(self, rows: int, args: tuple, undo=lambda: None):
         """The graph of `rows` (a bucket) on `args`; tensors among them must be `rows` long where marked static.
@@ -212,6 +255,11 @@ class BucketGraphs:
                     raise
         try:
             out = self._graph(rows)(*args)
+        except AotUnavailable:  # this function's graphs are traced from now on
+            self.aot = False
+            del self.graphs[rows]
+            undo()
+            return self.call(rows, args, undo)
         except torch._dynamo.exc.BackendCompilerFailed:  # inductor's errors (NoValidChoicesError, an assertion)
             if self.backend.get(rows, 0) + 1 == len(GEMM_BACKENDS):
                 raise
@@ -241,7 +289,10 @@ class CompiledDecode:
 
     def __init__(self, base, buckets=BUCKETS):
         self.base = base
-        self.graphs = BucketGraphs(base.decode, buckets, (base.model,), "compiled rounds")
+        def forward(input_ids, position_ids, mask, cache, features, last_logits_only):
+            return base.decode(input_ids, position_ids, mask, cache, features, last_logits_only)
+
+        self.graphs = BucketGraphs(forward, buckets, (base.model,), "compiled rounds")
         self.buckets = self.graphs.buckets
 
     def bucket(self, rows: int) -> int | None:

@@ -32,7 +32,10 @@ class CompiledDraft:
         # BaseModel.compile); outside `few_row_kernels()` eager drafting with the same head is plain nn.Linear
         if "panel" in few_rows.usable_kernels():
             few_rows.install(step.head, few_rows.uniform_plan("panel"))
-        self.graphs = BucketGraphs(step, buckets, (step.head, step.base_lm_head), "compiled draft steps")
+        def head_step(hidden, input_ids, position_ids, mask, cache, write_at):
+            return step(hidden, input_ids, position_ids, mask, cache, write_at)
+
+        self.graphs = BucketGraphs(head_step, buckets, (step.head, step.base_lm_head), "compiled draft steps")
         self.buckets = self.graphs.buckets
 
     def bucket(self, rows: int) -> int | None:

@@ -113,13 +113,13 @@ def cpu_description() -> dict:
 
 def compiled_options() -> str:
     """How compiled graphs are built, for cache keys: compiled.py's inductor options and GEMM backends, and the
-    code of compiled.py, compiled_draft.py and cuda_graphs.py (timings of graphs built by other code are not
-    reused)."""
+    code of compiled.py, compiled_draft.py, aot_store.py and cuda_graphs.py (timings of graphs built by other code
+    are not reused)."""
     import inspect
 
-    from . import compiled, compiled_draft, cuda_graphs
+    from . import aot_store, compiled, compiled_draft, cuda_graphs
 
-    sources = "".join(map(inspect.getsource, (compiled, compiled_draft, cuda_graphs)))
+    sources = "".join(map(inspect.getsource, (compiled, compiled_draft, aot_store, cuda_graphs)))
     code = hashlib.sha256(sources.encode()).hexdigest()[:12]
     return json.dumps({**compiled.OPTIONS, "gemm_backends": compiled.GEMM_BACKENDS, "code": code}, sort_keys=True)
 
