@@ -125,3 +125,22 @@ def test_a_file_that_does_not_load_is_compiled_again(tmp_path, monkeypatch):
         again.decompile()
     finally:
         base.decompile()
+
+
+def test_the_same_model_loaded_from_another_path_keeps_its_key(tmp_path):
+    """The app and its compiling children may reach one model through two paths (a link): where it came from is
+    not what the graph is made of."""
+    from tiny import save_base
+    from transformers import AutoModelForCausalLM
+
+    folder = save_base(tiny_base("llama"), str(tmp_path / "base"))
+    (tmp_path / "link").symlink_to(folder)
+    keys = []
+    for path in (folder, str(tmp_path / "link")):
+        base = BaseModel(AutoModelForCausalLM.from_pretrained(path), eagle3=False)
+
+        def forward(*args):
+            return base.decode(*args)
+
+        keys.append(aot_store.key(forward, 1, {}))
+    assert keys[0] == keys[1]

@@ -34,6 +34,8 @@ import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 PLAIN = (int, float, str, bool, type(None))
+# where a model came from, not what it is: the same model loaded from two paths makes one graph
+PLACES = {"name_or_path", "_name_or_path", "eagle_weights_gguf"}
 # the panel kernels' operators: functional, so two calls with the same arguments give the same product
 KERNELS = ("panel_linear", "quant_panel_linear")
 
@@ -109,15 +111,17 @@ def structure(obj, depth: int = 0, seen: set | None = None) -> object:
         return type(obj).__qualname__
     seen.add(id(obj))
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return [type(obj).__qualname__, repr(obj)]
+        fields = {f.name: structure(getattr(obj, f.name), depth + 1, seen) for f in dataclasses.fields(obj)}
+        return [type(obj).__qualname__, fields]
     if hasattr(obj, "to_dict") and hasattr(obj, "model_type"):  # a transformers config
-        return ["config", json.dumps(obj.to_dict(), sort_keys=True, default=str)]
+        settings = {k: v for k, v in obj.to_dict().items() if k not in PLACES}
+        return ["config", json.dumps(settings, sort_keys=True, default=str)]
     if isinstance(obj, torch.nn.Module):
         out = []
         for name, module in obj.named_modules():
             entry = {"class": f"{type(module).__module__}.{type(module).__qualname__}"}
             for key, value in vars(module).items():
-                if key.startswith("_") or key == "training":
+                if key.startswith("_") or key == "training" or key in PLACES:
                     continue
                 if isinstance(value, (*PLAIN, torch.Tensor, torch.dtype, tuple, list)):
                     entry[key] = structure(value, depth + 1, seen)
@@ -143,6 +147,11 @@ def closure(fn) -> dict[str, object]:
 
 def key(fn, rows: int, options: dict) -> str:
     """The file name of `fn`'s graph for `rows`, compiled with inductor `options`."""
+    return hashlib.blake2b(describe(fn, rows, options).encode(), digest_size=20).hexdigest()
+
+
+def describe(fn, rows: int, options: dict) -> str:
+    """What `key` hashes, as JSON (written beside each saved graph: what it was made for)."""
     import transformers
 
     described = {
@@ -153,8 +162,7 @@ def key(fn, rows: int, options: dict) -> str:
         "versions": [torch.__version__, transformers.__version__, sources_digest()],
         "machine": machine(),
     }
-    text = json.dumps(described, sort_keys=True, default=str)
-    return hashlib.blake2b(text.encode(), digest_size=20).hexdigest()
+    return json.dumps(described, sort_keys=True, default=str)
 
 
 def folder() -> Path:
@@ -181,7 +189,7 @@ def load(name: str, fn):
     return graph
 
 
-def compile_and_save(fn, example_args: tuple, name: str):
+def compile_and_save(fn, example_args: tuple, name: str, description: str = ""):
     """`fn` traced on `example_args` and compiled as one graph under the caller's inductor settings, saved as
     `name`, then loaded back from the file: the saving process runs what later ones will. Raises what dynamo or
     inductor raise (a graph break, an unsupported guard, a failed kernel)."""
@@ -189,6 +197,7 @@ def compile_and_save(fn, example_args: tuple, name: str):
     with torch._dynamo.config.patch(specialize_float=True):
         artifact = compiled.aot_compile((example_args, {}))
     artifact.save_compiled_function(str(folder() / f"{name}.bin"), external_data=closure(fn))
+    (folder() / f"{name}.json").write_text(description)
     loaded = load(name, fn)
     if loaded is None:
         raise RuntimeError(f"the compiled graph saved as {folder() / name}.bin does not load back")

@@ -209,7 +209,7 @@ class BucketGraphs:
         def first(*args):
             try:
                 with torch._inductor.config.patch(options), kv_heads_shared():
-                    graph = aot_store.compile_and_save(self.fn, args, name)
+                    graph = aot_store.compile_and_save(self.fn, args, name, aot_store.describe(self.fn, rows, options))
             except Exception as e:  # noqa: BLE001 - traced the usual way instead (`call`)
                 raise AotUnavailable(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e
             self.graphs[rows] = graph
