@@ -257,7 +257,8 @@ def test_arms_train_several_heads_on_the_same_data_and_hand_on_the_best(inputs, 
           "--bench-per-category", "0", "--arms", "ce:64,accept:48"])  # fmt: skip
     out = unpack(results, tmp_path / "back")
     for arm, vocab in (("ce-64", 64), ("accept-48", 48)):
-        assert {f"arm-{arm}-{n}" for n in ("config.json", "model.safetensors", "acceptance.json", "eval.json")} <= set(out)
+        names = ("config.json", "model.safetensors", "acceptance.json", "eval.json")
+        assert {f"arm-{arm}-{n}" for n in names} <= set(out)
         assert json.loads(out[f"arm-{arm}-config.json"].read_text())["draft_vocab_size"] == vocab
     taus = {arm: json.loads(out[f"arm-{arm}-eval.json"].read_text())["tau"] for arm in ("ce-64", "accept-48")}
     best = max(taus, key=taus.get)

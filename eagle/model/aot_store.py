@@ -14,8 +14,8 @@ Invariants:
 - A file is keyed on everything that shapes the graph and is not a tensor's value: the function, the rows, the
   structure of its closure's objects (modules' classes, tensors' names, dtypes and shapes, plain settings,
   configs, a tree's shape), torch's and transformers' versions, this package's model sources, inductor's options
-  and the CPU's instruction sets. Guards are not kept (the callers pass the same kinds of arguments on every call, as they do
-  for `BucketGraphs`' unchecked calls), so the key is what keeps a file to the graph it was made for.
+  and the CPU's instruction sets. Guards are not kept (the callers pass the same kinds of arguments on every call,
+  as they do for `BucketGraphs`' unchecked calls), so the key is what keeps a file to the graph it was made for.
 - A file that fails to load is compiled again and replaced.
 """
 

@@ -25,9 +25,9 @@ the graph without tracing and calls it without dynamo's guards. Otherwise (induc
 under `cache_dir()/inductor` (TORCHINDUCTOR_CACHE_DIR if set) keeps each bucket's lowered graph, C++ library and
 frozen weights, so a later start skips lowering, autotuning and the C++ build and only traces again. That needs
 `freeze_without_mkl_packing` (a graph holding MKL's packed weights, mkldnn tensors, is never cached), and each entry
-is keyed on the weights themselves (`weights_fingerprint`): inductor's key covers only their shapes. The app compiles in child processes and swaps the
-graphs in when they are ready (app/precompile.py, app/idle_work.py). On CUDA, runners.py builds CUDA graphs instead
-(cuda_graphs.py). BENCHMARKS.md has what each of these choices measured.
+is keyed on the weights themselves (`weights_fingerprint`): inductor's key covers only their shapes. The app
+compiles in child processes and swaps the graphs in when they are ready (app/precompile.py, app/idle_work.py). On
+CUDA, runners.py builds CUDA graphs instead (cuda_graphs.py). BENCHMARKS.md has what each of these choices measured.
 """
 
 from __future__ import annotations
@@ -155,11 +155,12 @@ class AotUnavailable(Exception):
 
 
 class BucketGraphs:
-    """`fn` compiled once per bucket of rows: the rows static in each graph, every other size symbolic. Where the linears run the panel kernel, each graph is compiled whole and saved (aot_store.py), so a
-    later process loads it without tracing; otherwise, and where that fails, it is traced with the weights frozen
-    and inductor's cache keeps its code (`_traced_graph`). `call` runs the bucket's graph and, where no CPP GEMM
-    applies to one of its shapes, compiles it again with the next GEMM backends (`undo` first puts back any state
-    the failed call changed)."""
+    """`fn` compiled once per bucket of rows: the rows static in each graph, every other size symbolic. Where the
+    linears run the panel kernel, each graph is compiled whole and saved (aot_store.py), so a later process loads
+    it without tracing; otherwise, and where that fails, it is traced with the weights frozen and inductor's cache
+    keeps its code (`_traced_graph`). `call` runs the bucket's graph and, where no CPP GEMM applies to one of its
+    shapes, compiles it again with the next GEMM backends (`undo` first puts back any state the failed call
+    changed)."""
 
     def __init__(self, fn, buckets, weights: tuple[torch.nn.Module, ...], what: str):
         """fn: a function whose models and settings are its closure's (constants to dynamo: a tree's sizes stay
@@ -209,7 +210,8 @@ class BucketGraphs:
         def first(*args):
             try:
                 with torch._inductor.config.patch(options), kv_heads_shared():
-                    graph = aot_store.compile_and_save(self.fn, args, name, aot_store.describe(self.fn, rows, options))
+                    description = aot_store.describe(self.fn, rows, options)
+                    graph = aot_store.compile_and_save(self.fn, args, name, description)
             except Exception as e:  # noqa: BLE001 - traced the usual way instead (`call`)
                 raise AotUnavailable(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e
             self.graphs[rows] = graph

@@ -171,7 +171,8 @@ def chunks_done(recipe: dict | None, key: dict) -> int:
     if recipe is None:
         return 0
     if recipe["plan"] != key:
-        diff = ", ".join(f"{k} {recipe['plan'].get(k)!r} -> {v!r}" for k, v in key.items() if recipe["plan"].get(k) != v)
+        earlier = recipe["plan"]
+        diff = ", ".join(f"{k} {earlier.get(k)!r} -> {v!r}" for k, v in key.items() if earlier.get(k) != v)
         raise ValueError(f"{RECIPE}: this run's chunk plan differs from the earlier lease's ({diff}); pack with "
                          "the same --openings/--conversations and run with the same --sources/--magpie/--gen-chunk/"
                          "--seed, or start afresh without --resume")  # fmt: skip
@@ -403,7 +404,8 @@ def train_arms(args, cache: Path, base: Path, work: Path) -> Path:
     from .fit import FitConfig, fit
 
     arms = parse_arms(args.arms, args.objective, args.draft_vocab)
-    start = json.loads((Path(args.init_from) / "config.json").read_text()) if args.init_from else {}
+    started = Path(args.init_from or "") / "config.json"  # an exported head (a checkpoint's .pt keeps its size)
+    start = json.loads(started.read_text()) if args.init_from and started.is_file() else {}
     best, head = -1.0, work / "head"
     for objective, vocab in arms:
         name = f"{objective}-{vocab}"
