@@ -30,7 +30,6 @@ import platform
 from pathlib import Path
 
 import torch
-
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 PLAIN = (int, float, str, bool, type(None))
