@@ -5,7 +5,7 @@ import pytest
 from tiny import tiny_base, tiny_tokenizer
 
 from eagle.train.benchmark_guard import BenchmarkGuard
-from eagle.train.dedupe import keep_unique, signature
+from eagle.train.dedupe import UniqueTexts, keep_unique, signature
 from eagle.train.magpie import Written, filter_prompts, topic_system, user_turn_prefix, why_junk, write_prompts
 from eagle.train.masks import HFTemplate
 
@@ -39,7 +39,9 @@ def test_exact_and_near_repeats_are_dropped_and_others_kept():
     assert (signature(POEM) == signature(POEM.lower())).all()  # words, not case, and no salted hash
     again = [Written(t, None, None) for t in (near, other, "Write a limerick about a cat")]
     guard = BenchmarkGuard(["a benchmark prompt nobody writes here"])
-    kept = [w.text for w in filter_prompts(again, guard, earlier=[POEM]) if w.dropped is None]
+    earlier = UniqueTexts()
+    earlier.add(POEM)
+    kept = [w.text for w in filter_prompts(again, guard, earlier=earlier) if w.dropped is None]
     assert kept == [other, "Write a limerick about a cat"]  # the near repeat of an earlier call's prompt dropped
 
 

@@ -175,11 +175,11 @@ def test_the_acceptance_objective_is_minus_the_log_of_the_acceptance_chance():
     logp = torch.randn(6, 50).log_softmax(-1)
     target = torch.randn(6, 32)
     greedy = trainer.base_logits(target).argmax(-1)
-    assert torch.allclose(trainer._accept_loss(logp, target), -logp.gather(1, greedy[:, None])[:, 0])
+    assert torch.allclose(trainer._accept_loss(logp, trainer.base_logits(target)), -logp.gather(1, greedy[:, None])[:, 0])
     trainer.accept_temperature = 1.0
     same = trainer.base_logits(target).log_softmax(-1)
-    assert trainer._accept_loss(same, target).abs().max() < 1e-5
-    assert (trainer._accept_loss(logp, target) > 0.05).all()
+    assert trainer._accept_loss(same, trainer.base_logits(target)).abs().max() < 1e-5
+    assert (trainer._accept_loss(logp, trainer.base_logits(target)) > 0.05).all()
     with pytest.raises(ValueError, match="'ce' or 'accept'"):
         DraftTrainer(head, embed.weight.detach(), torch.randn(50, 32), objective="kl")
 

@@ -28,6 +28,7 @@ from eagle.model.cuda_graphs import CAPACITY  # positions of the graphs' caches:
 
 ASSETS = Path(__file__).resolve().parents[2] / "assets"
 
+
 def llama3_rope(factor: float) -> dict:
     """Llama 3.x's rotary scaling (rope_type llama3), `factor` the base's own."""
     return dict(rope_type="llama3", rope_theta=500000.0, factor=factor, low_freq_factor=1.0, high_freq_factor=4.0,

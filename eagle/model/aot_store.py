@@ -146,7 +146,12 @@ def closure(fn) -> dict[str, object]:
 
 def key(fn, rows: int, options: dict) -> str:
     """The file name of `fn`'s graph for `rows`, compiled with inductor `options`."""
-    return hashlib.blake2b(describe(fn, rows, options).encode(), digest_size=20).hexdigest()
+    return name_of(describe(fn, rows, options))
+
+
+def name_of(description: str) -> str:
+    """The file name of the graph `describe` described."""
+    return hashlib.blake2b(description.encode(), digest_size=20).hexdigest()
 
 
 def describe(fn, rows: int, options: dict) -> str:

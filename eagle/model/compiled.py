@@ -202,7 +202,8 @@ class BucketGraphs:
         # ATen's GEMMs for any linear off the panel kernel: the CPP template packs only frozen weights
         options = {**OPTIONS, "freezing": False, "max_autotune_gemm_backends": "ATEN",
                    "post_grad_custom_post_pass": aot_store.SameKernelCalls()}  # fmt: skip
-        name = aot_store.key(self.fn, rows, options)
+        description = aot_store.describe(self.fn, rows, options)
+        name = aot_store.name_of(description)
         loaded = aot_store.load(name, self.fn)
         if loaded is not None:
             return loaded
@@ -210,7 +211,6 @@ class BucketGraphs:
         def first(*args):
             try:
                 with torch._inductor.config.patch(options), kv_heads_shared():
-                    description = aot_store.describe(self.fn, rows, options)
                     graph = aot_store.compile_and_save(self.fn, args, name, description)
             except Exception as e:  # noqa: BLE001 - traced the usual way instead (`call`)
                 raise AotUnavailable(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e

@@ -36,25 +36,46 @@ def signature(text: str) -> np.ndarray:
     return ((_A * h + _B) % np.uint64(_PRIME)).min(axis=0)  # [S, P] -> [P]
 
 
+class UniqueTexts:
+    """Texts kept so far, indexed by their words and by the bands of their MinHash signatures, so that a new text
+    is checked against all of them at the cost of its own signature."""
+
+    def __init__(self, threshold: float = 0.7):
+        self.threshold = threshold
+        self.exact: set[tuple[str, ...]] = set()
+        self.buckets: dict[tuple[int, bytes], list[int]] = {}
+        self.signatures: list[np.ndarray] = []
+
+    @staticmethod
+    def _keys(sig: np.ndarray) -> list[tuple[int, bytes]]:
+        return [(b, sig[b * ROWS : (b + 1) * ROWS].tobytes()) for b in range(BANDS)]
+
+    def holds(self, text: str) -> bool:
+        """Whether a kept text has the same words as `text` or is its near duplicate (estimated Jaccard >=
+        threshold)."""
+        return self._repeat(text)[0]
+
+    def add(self, text: str) -> bool:
+        """Keep `text` unless `holds` it; returns whether it was kept."""
+        repeat, sig = self._repeat(text)
+        if repeat:
+            return False
+        self.exact.add(words(text))
+        for key in self._keys(sig):
+            self.buckets.setdefault(key, []).append(len(self.signatures))
+        self.signatures.append(sig)
+        return True
+
+    def _repeat(self, text: str) -> tuple[bool, np.ndarray | None]:
+        if words(text) in self.exact:
+            return True, None
+        sig = signature(text)
+        candidates = {j for key in self._keys(sig) for j in self.buckets.get(key, ())}
+        return any(np.mean(self.signatures[j] == sig) >= self.threshold for j in candidates), sig
+
+
 def keep_unique(texts: list[str], threshold: float = 0.7) -> list[int]:
     """Indices of the texts kept, in order: each text is dropped when an earlier kept one has the same words or is
     its near duplicate (estimated Jaccard >= threshold)."""
-    exact: set[tuple[str, ...]] = set()
-    buckets: dict[tuple[int, bytes], list[int]] = {}
-    signatures: dict[int, np.ndarray] = {}
-    kept = []
-    for i, text in enumerate(texts):
-        ws = words(text)
-        if ws in exact:
-            continue
-        sig = signature(text)
-        keys = [(b, sig[b * ROWS : (b + 1) * ROWS].tobytes()) for b in range(BANDS)]
-        candidates = {j for key in keys for j in buckets.get(key, ())}
-        if any(np.mean(signatures[j] == sig) >= threshold for j in candidates):
-            continue
-        exact.add(ws)
-        signatures[i] = sig
-        for key in keys:
-            buckets.setdefault(key, []).append(i)
-        kept.append(i)
-    return kept
+    kept = UniqueTexts(threshold)
+    return [i for i, text in enumerate(texts) if kept.add(text)]

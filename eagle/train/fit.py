@@ -187,7 +187,7 @@ def build_head(cfg: FitConfig, items: Items, config: dict, log) -> DraftHead:
             n0, n = state["lm_head.weight"].shape[0], own["lm_head.weight"].shape[0]
             if not cfg.revocab:
                 raise ValueError(f"{cfg.init_from}: its draft vocabulary has {n0} ids, --draft-vocab-size {n}: add "
-                                 "--revocab to re-derive it at the new size, or ask for {n0}")  # fmt: skip
+                                 f"--revocab to re-derive it at the new size, or ask for {n0}")  # fmt: skip
             rows, d2t = state.pop("lm_head.weight"), state.pop("d2t")
             state.pop("t2d")
             old = (rows.float(), torch.arange(n0) + d2t)

@@ -192,6 +192,7 @@ def generate(base: str, openings: list[list[dict]], folder: Path, args, conversa
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from .dedupe import UniqueTexts
     from .masks import make_template
     from .regen import regenerate_all_turns, regenerate_first_turns
 
@@ -206,10 +207,17 @@ def generate(base: str, openings: list[list[dict]], folder: Path, args, conversa
     inputs = {"openings": openings, "turns": list(conversations)}
     plan = chunk_plan(sources, {"openings": len(openings), "turns": len(conversations), "magpie": args.magpie},
                       args.gen_chunk)  # fmt: skip
+    written = UniqueTexts()  # the written prompts of the chunks before the current one, earlier leases' first
+    for prompt in earlier_prompts:
+        written.add(prompt)
     t0, made, tokens = time.time(), 0, 0
     for c, (source, j) in enumerate(plan):
         path = folder / f"chunk_{c:05d}.jsonl"
-        if c < first_chunk or path.exists():
+        if c < first_chunk:
+            continue
+        if path.exists():
+            for prompt in magpie_prompts(conversation_lines([path])):
+                written.add(prompt)
             continue
         if made and time.time() - t0 > 60 * args.gen_minutes:  # every run makes at least one chunk
             log(f"generate: --gen-minutes {args.gen_minutes} reached after {c} of {len(plan)} chunks")
@@ -218,9 +226,7 @@ def generate(base: str, openings: list[list[dict]], folder: Path, args, conversa
         temperature = args.sample_temperature if sampled else 0.0
         torch.manual_seed(args.seed + c)
         if source == "magpie":  # deduplicated against the prompts of the magpie chunks before it, too
-            earlier = list(earlier_prompts) + [r["messages"][0]["content"] for line in _lines_before(folder, c)
-                                               for r in [json.loads(line)] if r["source"] == "magpie"]  # fmt: skip
-            items, note = _written_prompts(model, tokenizer, template, args, c, guard, earlier)
+            items, note = _written_prompts(model, tokenizer, template, args, c, guard, written)
         else:
             items, note = inputs[source][j * args.gen_chunk : (j + 1) * args.gen_chunk], ""
         if args.generator == "hf" and source == "openings":
@@ -234,6 +240,8 @@ def generate(base: str, openings: list[list[dict]], folder: Path, args, conversa
         tmp = path.with_suffix(".tmp")
         tmp.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
         os.replace(tmp, path)
+        for prompt in magpie_prompts(lines):  # what a rerun reads back from the file
+            written.add(prompt)
         made += 1
         tokens += sum(len(tokenizer(m["content"]).input_ids) for r in results if r is not None
                       for m in r[0] if m["role"] == "assistant")  # fmt: skip
@@ -244,14 +252,14 @@ def generate(base: str, openings: list[list[dict]], folder: Path, args, conversa
     return sorted(folder.glob("chunk_*.jsonl"))
 
 
-def _lines_before(folder: Path, c: int) -> list[str]:
-    """The records of the chunk files before chunk `c`."""
-    return conversation_lines([p for p in sorted(folder.glob("chunk_*.jsonl")) if int(p.stem.split("_")[1]) < c])
+def magpie_prompts(lines: list[str]) -> list[str]:
+    """The prompts the base wrote (source "magpie") among chunk records."""
+    return [r["messages"][0]["content"] for line in lines for r in [json.loads(line)] if r.get("source") == "magpie"]
 
 
-def _written_prompts(model, tokenizer, template, args, c: int, guard, earlier: list[str]) -> tuple[list, str]:
+def _written_prompts(model, tokenizer, template, args, c: int, guard, earlier) -> tuple[list, str]:
     """A chunk's prompts written by the base (magpie.py), seeded by the chunk, as one-turn conversations (none
-    repeating `earlier`); and a note of how many were dropped and why."""
+    repeating what `earlier`, a dedupe.UniqueTexts, holds); and a note of how many were dropped and why."""
     from collections import Counter
 
     from .magpie import filter_prompts, write_prompts
@@ -342,8 +350,7 @@ def cmd_run(args) -> None:
     key = plan_key(args, len(openings), len(conversations))
     first_chunk = chunks_done(recipe, key)
     previous = [inputs["previous.jsonl.gz"]] if "previous.jsonl.gz" in inputs else []
-    earlier_prompts = [r["messages"][0]["content"] for line in conversation_lines(previous)
-                       for r in [json.loads(line)] if r.get("source") == "magpie"]  # fmt: skip
+    earlier_prompts = magpie_prompts(conversation_lines(previous))
     if args.init_from is None:  # the head an earlier lease handed on, else the shipped one
         args.init_from = str(_bundled_head(inputs, work / "init-head") or SHIPPED_HEAD)
     log(f"chunks from {first_chunk} on; {len(earlier_prompts)} earlier written prompts; head from {args.init_from}")

@@ -97,8 +97,11 @@ class DraftTrainer(nn.Module):
             logp = head.lm_head(head.norm(out[keep])).float().log_softmax(-1)
             with torch.no_grad():
                 target = shift(batch["hidden"], k + 1)[keep]  # [N, H] h_{j+k+1}: its logits predict x_{j+k+2}
-                target_p = self.base_logits(target).softmax(-1)  # [N, Vd]
-            ce = -(target_p * logp).sum(-1) if self.objective == "ce" else self._accept_loss(logp, target)  # [N]
+                target_logits = self.base_logits(target)  # [N, Vd]
+            if self.objective == "ce":
+                ce = -(target_logits.softmax(-1) * logp).sum(-1)  # [N]
+            else:
+                ce = self._accept_loss(logp, target_logits)  # [N]
             n = keep.sum()
             loss_k = ce.sum() / n.clamp(min=1)
             loss = loss + self.decay**k * loss_k
@@ -114,11 +117,11 @@ class DraftTrainer(nn.Module):
         self._chain_stats(stats, correct, continues, batch)
         return loss, stats
 
-    def _accept_loss(self, logp: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        """logp [N, Vd] the draft's log-probabilities, target [N, H] the base's features -> [N] -log sum_x min(q(x),
-        p_T(x)): minus the log of the chance that speculative sampling at the temperature accepts q's draft."""
+    def _accept_loss(self, logp: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        """logp [N, Vd] the draft's log-probabilities, logits [N, Vd] the base's (`base_logits`) -> [N] -log sum_x
+        min(q(x), p_T(x)): minus the log of the chance that speculative sampling at the temperature accepts q's
+        draft."""
         with torch.no_grad():
-            logits = self.base_logits(target)  # [N, Vd]
             if self.accept_temperature > 0:
                 p = (logits / self.accept_temperature).softmax(-1)
             else:  # greedy: the base's argmax alone

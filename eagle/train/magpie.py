@@ -24,7 +24,7 @@ from eagle.model.ea_model import stop_token_ids
 
 from .batch_generate import generate_all
 from .benchmark_guard import BenchmarkGuard, benchmark_prompts, words
-from .dedupe import keep_unique
+from .dedupe import UniqueTexts
 
 TOPICS = ("writing", "roleplay", "reasoning", "maths", "coding", "extraction", "STEM", "humanities",
           "everyday chat")  # fmt: skip
@@ -90,18 +90,16 @@ def write_prompts(model, tokenizer, template, count: int, seed: int = 0, batch_s
 
 
 def filter_prompts(written: list[Written], guard: BenchmarkGuard | None = None,
-                   earlier: list[str] = ()) -> list[Written]:  # fmt: skip
+                   earlier: UniqueTexts | None = None) -> list[Written]:  # fmt: skip
     """Marks, among the prompts not dropped yet, each that holds a benchmark prompt ("benchmark": `guard`, default
     every MT-bench turn and every shipped benchmark set), then each that repeats, exactly or nearly, one kept
-    before it or one of `earlier` (prompts kept by earlier calls) ("duplicate"). Returns `written`; the kept ones
-    have `dropped` None."""
+    before it or one `earlier` holds (prompts kept by earlier calls, left as they are) ("duplicate"). Returns
+    `written`; the kept ones have `dropped` None."""
     guard = guard if guard is not None else BenchmarkGuard(benchmark_prompts())
+    kept = UniqueTexts()
     for w in written:
         if w.dropped is None and guard.match([w.text]) is not None:
             w.dropped = "benchmark"
-    fine = [i for i, w in enumerate(written) if w.dropped is None]
-    kept = keep_unique([*earlier, *(written[i].text for i in fine)])
-    unique = {fine[j - len(earlier)] for j in kept if j >= len(earlier)}
-    for i in set(fine) - unique:
-        written[i].dropped = "duplicate"
+        elif w.dropped is None and ((earlier is not None and earlier.holds(w.text)) or not kept.add(w.text)):
+            w.dropped = "duplicate"
     return written
