@@ -13,6 +13,20 @@ torch.set_num_threads(1)  # tiny test models: threads only add overhead (and thr
 torch._dynamo.config.recompile_limit = 64
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _saved_graphs_in_a_session_folder(tmp_path_factory):
+    """Graphs saved whole (aot_store.py) go to a folder of this test session, never the user's cache: a test that
+    counts traced graphs must not find them loaded from a file an earlier run left."""
+    folder = tmp_path_factory.mktemp("aot")
+    previous = os.environ.get("EAGLE_AOT_DIR")
+    os.environ["EAGLE_AOT_DIR"] = str(folder)
+    yield folder
+    if previous is None:
+        os.environ.pop("EAGLE_AOT_DIR", None)
+    else:
+        os.environ["EAGLE_AOT_DIR"] = previous
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

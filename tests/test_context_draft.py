@@ -117,7 +117,7 @@ def test_a_chain_that_earns_more_than_its_rows_cost_is_offered():
     assert stats.pays(long) and all(stats.offer(long) for _ in range(10))
 
 
-def test_compiled_rounds_with_context_drafts_give_the_eager_rounds(tmp_path):
+def test_compiled_rounds_with_context_drafts_give_the_eager_rounds(tmp_path, monkeypatch):
     """The three graphs of a shape with a chain (draft, verify, verify with the chain) give the eager rounds, and
     rounds with a chain run the third."""
     from eagle.model.draft import HeadStep
@@ -136,6 +136,7 @@ def test_compiled_rounds_with_context_drafts_give_the_eager_rounds(tmp_path):
 
     eager = rounds()
     compiled = CompiledRound(model.base, HeadStep(model.ea_layer, model.base.lm_head), shape)
+    monkeypatch.setenv("EAGLE_AOT_DIR", str(tmp_path / "aot"))  # every graph traced here, none loaded from a file
     counters = torch._dynamo.utils.counters
     counters.clear()
     compiled.warm()

@@ -88,7 +88,7 @@ def test_sampling_and_static_trees_run_the_general_loop(model):
     assert model.round_runner(TreeSpec(choices=((0,), (1,), (0, 0))), TokenPicker(SamplingParams())) is None
 
 
-def test_compiled_round_gives_the_eager_rounds_in_one_graph_each(tmp_path):
+def test_compiled_round_gives_the_eager_rounds_in_one_graph_each(tmp_path, monkeypatch):
     """An EAGLE-1/2 head on a 2-layer base (compiling takes seconds per layer); EAGLE-3's compiled round is checked
     through from_pretrained in test_compiled.py."""
     base = tiny_base("llama", layers=2)
@@ -97,6 +97,7 @@ def test_compiled_round_gives_the_eager_rounds_in_one_graph_each(tmp_path):
     shape = TreeShape.of(8, 3, 4)
     eager = [rounds(model, tree, p) for p in PROMPTS]
     compiled = CompiledRound(model.base, HeadStep(model.ea_layer, model.base.lm_head), shape)
+    monkeypatch.setenv("EAGLE_AOT_DIR", str(tmp_path / "aot"))  # every graph traced here, none loaded from a file
     counters = torch._dynamo.utils.counters
     counters.clear()
     compiled.warm()
