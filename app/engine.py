@@ -269,7 +269,11 @@ class Engine:
         """The Model panel's line on context drafts (greedy replies), for the forwards in use now."""
         where = "eager forwards" if self.model.base.compiled is None else "compiled rounds"
         if self.context_drafts_served():
-            line = f"offered beside the head's drafts where they measure worth it ({where})"
+            chains = self.model.context_chains
+            sizes = " or ".join(map(str, sorted(set(chains))))
+            tuned = self.model.tree_choice is not None and self.model.tree_choice.chains == chains
+            line = (f"chains of {sizes} nodes{' (by match length, tuned here)' if tuned else ''} offered beside the "
+                    f"head's drafts where they measure worth it ({where})")  # fmt: skip
         else:
             line = "off for greedy replies until their compiled round is in (they go without them meanwhile)"
         self.info["context_drafts"] = line

@@ -261,7 +261,7 @@ def two_step_rounds(engine, spec, log) -> Iterator[str | Loading | Wait]:
     (round_graphs.py), compiled by a child (the same low priority, stopped while the model works), loaded a graph a
     unit and put in use. If they fail, rounds go on with the forwards' graphs, said in the log. Returns whether
     they came in."""
-    came = yield from _round_steps(engine, spec, chain=0, log=log)
+    came = yield from _round_steps(engine, spec, chains=(), log=log)
     if came is True:
         log("rounds in two compiled steps in use (draft, verify)")
     elif came:
@@ -270,11 +270,11 @@ def two_step_rounds(engine, spec, log) -> Iterator[str | Loading | Wait]:
 
 
 def context_rounds(engine, spec, log) -> Iterator[str | Loading | Wait]:
-    """After `two_step_rounds`: the same tree's round with a context chain (`model.context_chain` nodes: draft,
-    verify, and verify with a chain), compiled by a child and brought in the same way. Until it is in, replies on
-    compiled rounds go without context drafts (`Engine.context_drafts_served`), so that none leaves the compiled
-    graphs for them; if it fails they stay without, said in the log. Returns whether it came in."""
-    came = yield from _round_steps(engine, spec, chain=engine.model.context_chain, log=log)
+    """After `two_step_rounds`: the same tree's round with context chains (`model.context_chains`' sizes: draft,
+    verify, and verify with a chain of each size), compiled by a child and brought in the same way. Until it is in,
+    replies on compiled rounds go without context drafts (`Engine.context_drafts_served`), so that none leaves the
+    compiled graphs for them; if it fails they stay without, said in the log. Returns whether it came in."""
+    came = yield from _round_steps(engine, spec, chains=tuple(sorted(set(engine.model.context_chains))), log=log)
     if came is True:
         engine.describe_context()
         log("rounds with context drafts in compiled steps in use (draft, verify, verify with a chain)")
@@ -283,8 +283,8 @@ def context_rounds(engine, spec, log) -> Iterator[str | Loading | Wait]:
     return came is True
 
 
-def _round_steps(engine, spec, chain: int, log) -> Iterator[str | Loading | Wait]:
-    """The greedy round's compiled steps for the tree in use with a context chain of `chain` nodes (0: none): a child
+def _round_steps(engine, spec, chains: tuple[int, ...], log) -> Iterator[str | Loading | Wait]:
+    """The greedy round's compiled steps for the tree in use with context chains of the sizes `chains` (): a child
     compiles them (unless a manifest says they are compiled already), they are loaded a graph a unit and put in
     `model.compiled_rounds`. Returns True when they came in, the child's error (a string) when compiling failed,
     None when there was nothing to do (a static tree, eager forwards or CUDA graphs) or the head or the tree changed
@@ -297,18 +297,18 @@ def _round_steps(engine, spec, chain: int, log) -> Iterator[str | Loading | Wait
     if tree.choices or model.base.compiled is None or hasattr(model.base.compiled, "lease"):
         return None
     spec = replace(spec, base_buckets=(), draft_buckets=(), round_tree=(tree.total_token, tree.depth, tree.top_k),
-                   round_chain=chain)  # fmt: skip
+                   round_chains=chains)  # fmt: skip
     child = None if compiled_before(spec) else ChildCompile(spec)
     engine.child = child
     head = model.ea_layer
-    rounds = round_graphs(model, head, spec.round_tree, chain)
+    rounds = round_graphs(model, head, spec.round_tree, chains)
     try:
         for kind, nodes in spec.graphs():
-            yield from awaiting(child, graph_name(kind, nodes, chain))
+            yield from awaiting(child, graph_name(kind, nodes, chains))
             if child is not None and child.error:
                 return child.error
             yield Loading(f"loading the compiled graphs: the round's {ROUND_STEPS[kind]}"
-                          + (" (context drafts)" if chain else ""))  # fmt: skip
+                          + (" (context drafts)" if chains else ""))  # fmt: skip
             step = kind.removeprefix("round_")
             log(f"loaded the round's {ROUND_STEPS[kind]} in {rounds.warm(steps=(step,))[step]:.1f} s")
         yield from awaiting(child)
@@ -316,8 +316,8 @@ def _round_steps(engine, spec, chain: int, log) -> Iterator[str | Loading | Wait
         engine.child = None
     if child is not None and child.error:
         return child.error
-    if model.ea_layer is not head or model.tree != tree:
-        return None  # the head or the tree changed meanwhile: these graphs serve neither
+    if model.ea_layer is not head or model.tree != tree or (chains and set(model.context_chains) != set(chains)):
+        return None  # the head, the tree or the chains changed meanwhile: these graphs serve none of them
     model.compiled_rounds[rounds.shape] = rounds
     engine.info.update(engine.describe(model))
     return True

@@ -43,13 +43,14 @@ class CompileSpec:
     extra: dict = field(default_factory=dict)  # from_pretrained keywords of the app's load (gguf_file, ...)
     # (total_token, depth, top_k): the greedy round's draft and verify steps for this tree (round_graphs.py)
     round_tree: tuple[int, int, int] | None = None
-    # M > 0: the round's shape with a context chain of M nodes (context drafts), and its third step: verify with one
-    round_chain: int = 0
+    # the round's shape with context chains of these sizes (context drafts), and its third step: verify with one
+    # (a graph per size); () = none
+    round_chains: tuple[int, ...] = ()
 
     def to_json(self) -> str:
         d = asdict(self)
-        if not d["round_chain"]:
-            del d["round_chain"]  # a spec without a chain keeps the key (and the manifest) it had before chains
+        if not d["round_chains"]:
+            del d["round_chains"]  # a spec without a chain keeps the key (and the manifest) it had before chains
         return json.dumps(d, sort_keys=True)
 
     @classmethod
@@ -59,17 +60,19 @@ class CompileSpec:
         d["few_row_plan"] = None if plan is None else {int(k): v for k, v in plan.items()}
         d["base_buckets"], d["draft_buckets"] = tuple(d["base_buckets"]), tuple(d["draft_buckets"])
         d["round_tree"] = None if d.get("round_tree") is None else tuple(d["round_tree"])
+        d["round_chains"] = tuple(d.get("round_chains", ()))
         return cls(**d)
 
     def graphs(self) -> list[tuple[str, int]]:
         """("base" | "draft", rows), then ("round_verify" | "round_verify_chain" | "round_draft", the head's tree
-        nodes), in the order they are compiled and loaded (round_verify_chain with a `round_chain` only)."""
+        nodes), in the order they are compiled and loaded (round_verify_chain, with `round_chains` only, is a graph
+        per chain size)."""
         from eagle.model.round_steps import TreeShape
 
         rounds = []
         if self.round_tree is not None:
             nodes = TreeShape.of(*self.round_tree).nodes
-            chain = [("round_verify_chain", nodes)] if self.round_chain else []
+            chain = [("round_verify_chain", nodes)] if self.round_chains else []
             rounds = [("round_verify", nodes), *chain, ("round_draft", nodes)]
         return [("base", r) for r in self.base_buckets] + [("draft", r) for r in self.draft_buckets] + rounds
 
@@ -202,10 +205,10 @@ ROUND_STEPS = {"round_draft": "draft step", "round_verify": "verify step",
                "round_verify_chain": "verify step with a context chain"}  # fmt: skip
 
 
-def graph_name(kind: str, rows: int, chain: int = 0) -> str:
-    """A graph as the log and the Model panel name it; `chain`: the round's context chain (0: none)."""
+def graph_name(kind: str, rows: int, chains: tuple[int, ...] = ()) -> str:
+    """A graph as the log and the Model panel name it; `chains`: the round's context chain sizes (none: ())."""
     if kind in ROUND_STEPS:
-        shape = f" (with context drafts of {chain})" if chain else ""
+        shape = f" (with context drafts of {' / '.join(map(str, chains))})" if chains else ""
         return f"{rows}-node round's {ROUND_STEPS[kind]}{shape}"
     return f"{rows}-row {'base forward' if kind == 'base' else 'draft step'}"
 
@@ -271,7 +274,7 @@ def compile_graphs(spec: CompileSpec, share: list[tuple[str, int]], on_graph=lam
     head = load_compiled_head(model.base_model, spec.head_path, spec.draft_dtype)
     base_graphs = runners.decode_graphs(model.base, spec.base_buckets)
     draft_graphs = model.compile_draft(spec.draft_buckets, head=head)
-    rounds = round_graphs(model, head, spec.round_tree, spec.round_chain) if spec.round_tree is not None else None
+    rounds = round_graphs(model, head, spec.round_tree, spec.round_chains) if spec.round_tree is not None else None
     for kind, rows in share:
         if kind.startswith("round_"):
             seconds = rounds.warm(steps=(kind.removeprefix("round_"),))[kind.removeprefix("round_")]
@@ -280,14 +283,14 @@ def compile_graphs(spec: CompileSpec, share: list[tuple[str, int]], on_graph=lam
         on_graph(kind, rows, seconds)
 
 
-def round_graphs(model, head, tree: tuple[int, int, int], chain: int = 0):
+def round_graphs(model, head, tree: tuple[int, int, int], chains: tuple[int, ...] = ()):
     """The CompiledRound of `model`'s base (its graphs' kernels set: runners.decode_graphs) and `head` for a tree
-    (total_token, depth, top_k) with a context chain of `chain` nodes (0: none), not yet compiled."""
+    (total_token, depth, top_k) with context chains of the sizes `chains` (none: ()), not yet compiled."""
     from eagle.model import runners
     from eagle.model.draft import HeadStep
     from eagle.model.round_steps import TreeShape
 
-    shape = TreeShape.of(*tree).with_chain(chain)
+    shape = TreeShape.of(*tree).with_chains(chains)
     return runners.round_graphs(model.base, HeadStep(head, model.base.lm_head), shape)
 
 
@@ -301,7 +304,7 @@ def main(argv: list[str] | None = None) -> None:
 
     def on_graph(kind: str, rows: int, seconds: float) -> None:
         done.append(rows)
-        _emit(event="compiled", graph=graph_name(kind, rows, spec.round_chain), done=len(done), total=len(share),
+        _emit(event="compiled", graph=graph_name(kind, rows, spec.round_chains), done=len(done), total=len(share),
               seconds=round(seconds, 1))  # fmt: skip
 
     try:

@@ -92,7 +92,7 @@ def test_children_compile_only_while_the_model_is_idle_and_the_graphs_change_no_
     assert compiled_before(spec)  # a second start loads the graphs without compiling
     tree = model.tree
     rounds = replace(spec, base_buckets=(), draft_buckets=(), round_tree=(tree.total_token, tree.depth, tree.top_k))
-    assert compiled_before(rounds) and compiled_before(replace(rounds, round_chain=model.context_chain))
+    assert compiled_before(rounds) and compiled_before(replace(rounds, round_chains=(model.context_chain,)))
     # and measures no verdict again, unless this one was taken while another process used the CPU
     busy = any("another process used the CPU" in line for line in lines)
     assert saved_verdict(spec.key()) is not None or busy, lines

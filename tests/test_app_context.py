@@ -320,7 +320,7 @@ def test_the_context_shape_comes_in_after_the_two_step_rounds_and_only_then_gets
 
 def test_a_failed_context_compile_leaves_compiled_replies_without_context_drafts(compiled_forwards, monkeypatch):
     engine, spec = compiled_forwards
-    monkeypatch.setattr(precompile, "compiled_before", lambda spec: not spec.round_chain)  # the chain: compiled now
+    monkeypatch.setattr(precompile, "compiled_before", lambda spec: not spec.round_chains)  # the chain: compiled now
     monkeypatch.setattr(precompile, "ChildCompile", FailedChild)
     lines = []
     engine.add_job(compiled_round_steps(engine, spec, lines.append))
@@ -334,11 +334,12 @@ def test_a_failed_context_compile_leaves_compiled_replies_without_context_drafts
 def test_a_spec_without_a_chain_keeps_its_json_and_one_with_a_chain_has_a_third_round_step():
     plain = CompileSpec(base_path="b", head_path="h", dtype="float32", draft_dtype="float32", few_row_plan=None,
                         base_buckets=(), draft_buckets=(), threads=1, round_tree=(8, 3, 2))  # fmt: skip
-    assert "round_chain" not in plain.to_json()  # the key (and the manifest of earlier starts) stays as it was
-    chained = CompileSpec.from_json(plain.to_json().replace("{", '{"round_chain": 8, ', 1))
+    assert "round_chains" not in plain.to_json()  # the key (and the manifest of earlier starts) stays as it was
+    chained = CompileSpec.from_json(plain.to_json().replace("{", '{"round_chains": [4, 16], ', 1))
+    assert chained.round_chains == (4, 16)
     assert CompileSpec.from_json(plain.to_json()) == plain and CompileSpec.from_json(chained.to_json()) == chained
     nodes = plain.graphs()[0][1]
     assert plain.graphs() == [("round_verify", nodes), ("round_draft", nodes)]
     assert chained.graphs() == [("round_verify", nodes), ("round_verify_chain", nodes), ("round_draft", nodes)]
-    names = {graph_name(k, n, 8) for k, n in chained.graphs()}
+    names = {graph_name(k, n, (4, 16)) for k, n in chained.graphs()}
     assert len(names) == 3 and not names & {graph_name(k, n) for k, n in plain.graphs()}

@@ -8,7 +8,7 @@ from test_round_steps import random_tree
 from tiny import random_draft, tiny_base
 
 from eagle.model.checkpoint import read_checkpoint
-from eagle.model.context_draft import EXPLORE, ContextStats, bucket_of
+from eagle.model.context_draft import BUCKETS, CHAINS, EXPLORE, ContextStats, bucket_of, pick_chains
 from eagle.model.ea_model import EaModel, load_head
 from eagle.model.generate import Round, TreeSpec
 from eagle.model.round_steps import DeviceTree, accept_path, attach_chain
@@ -102,9 +102,9 @@ def test_a_chain_that_earns_less_than_its_rows_cost_is_declined_and_still_tried(
     one = bucket_of(1)
     for _ in range(40):  # rounds of 2 tokens in 10 ms; with a chain 13 ms (0.6 tokens' worth) and nothing earned
         stats.observe(None, 0, 0.010, 2)
-        stats.observe(one, 0, 0.013, 2)
-    assert not stats.pays(one)
-    offers = sum(stats.offer(one) for _ in range(4 * EXPLORE))
+        stats.observe(one, 0, 0.013, 2, nodes=8)
+    assert not stats.pays(one, 8)
+    offers = sum(stats.offer(one, 8) for _ in range(4 * EXPLORE))
     assert offers == 4, "a declined bucket is tried once every EXPLORE rounds"
 
 
@@ -113,13 +113,106 @@ def test_a_chain_that_earns_more_than_its_rows_cost_is_offered():
     long = bucket_of(20)
     for _ in range(40):  # a chain costs 0.6 tokens' worth and earns 3
         stats.observe(None, 0, 0.010, 2)
-        stats.observe(long, 3, 0.013, 5)
-    assert stats.pays(long) and all(stats.offer(long) for _ in range(10))
+        stats.observe(long, 3, 0.013, 5, nodes=8)
+    assert stats.pays(long, 8) and all(stats.offer(long, 8) for _ in range(10))
+    assert stats.pays(long, 16)  # a size not measured yet: tried
+
+
+def test_the_profile_counts_how_far_offered_chains_were_accepted():
+    stats = ContextStats()
+    long = bucket_of(20)
+    for accepted in (0, 2, 5, 5):  # four rounds offered a chain for a long match
+        stats.matched[long] += 1
+        stats.observe(long, accepted, 0.01, accepted + 1)
+    stats.matched[bucket_of(1)] += 1  # a short match not offered, and a round without any match
+    stats.observe(None, 0, 0.01, 1)
+    stats.observe(None, 0, 0.01, 1)
+    profile = stats.profile()
+    assert profile["rounds"] == 6 and profile["share"][long] == pytest.approx(4 / 6)
+    assert profile["share"][bucket_of(1)] == pytest.approx(1 / 6)
+    assert profile["survival"][long] == [0.75, 0.75, 0.5, 0.5, 0.5]  # at least k of the 4 offers' accepted copies
+    assert profile["survival"][bucket_of(1)] == []
+
+
+def _profile(long: list[float], short: list[float] | None = None) -> dict:
+    """Chains accepted as far as `long` says for the longest matches (half the rounds), and `short` for one-token
+    matches (the other half; none if None)."""
+    shares, survivals = [0.0] * len(BUCKETS), [[] for _ in BUCKETS]
+    shares[-1], survivals[-1] = 0.5, long
+    if short is not None:
+        shares[0], survivals[0] = 0.5, short
+    return {"buckets": list(BUCKETS), "share": shares, "survival": survivals}
+
+
+CHEAP_ROWS = {"tau": 2.0, "round_seconds": 0.010, "extra_seconds": lambda m: 0.0002 * m}
+
+
+def test_a_long_chain_is_picked_where_copies_run_long_and_rows_are_cheap():
+    assert pick_chains(_profile([0.9] * 16), **CHEAP_ROWS)[-1] == 16
+
+
+def test_a_short_chain_is_picked_where_copies_stop_early_or_rows_are_dear():
+    stops_early = _profile([0.9, 0.8, 0.6, 0.4] + [0.02] * 12)
+    assert pick_chains(stops_early, **CHEAP_ROWS)[-1] == 4
+    dear = pick_chains(_profile([0.9] * 16), 2.0, 0.010, lambda m: 0.0002 * m + 0.00004 * m * m)[-1]
+    assert dear in (4, 8, 12)  # rows cost more the more there are: past some M, no copy pays them
+
+
+def test_each_match_length_gets_its_own_chain_size_among_two_at_most():
+    chains = pick_chains(_profile([0.9] * 16, short=[0.5, 0.2] + [0.0] * 14), **CHEAP_ROWS)
+    assert chains[-1] == 16 and chains[0] == 4 and len(chains) == len(BUCKETS)
+    assert len(set(chains)) == 2
+    assert len(set(pick_chains(_profile([0.9] * 16, short=[0.5, 0.2] + [0.0] * 14), **CHEAP_ROWS, sizes=1))) == 1
+
+
+def test_a_profile_of_other_buckets_is_refused_with_the_command_that_measures_it_again():
+    with pytest.raises(ValueError, match="eagle.evaluation.context_profile"):
+        pick_chains({"buckets": [1, 2], "share": [0, 0], "survival": [[], []]}, 2.0, 0.01, lambda m: 0.0)
+
+
+def test_the_tuned_tree_carries_chains_picked_on_the_costs_of_passes_timed_at_their_own_rows(monkeypatch, tmp_path):
+    """With compiled forwards the tuner's 6- and 12-row passes pad to a graph or run eagerly: the chains' costs are
+    read off the graphs' own rows (4, 8, 16) instead."""
+    from types import SimpleNamespace
+
+    from eagle.model import tuner
+    from eagle.model.compiled import bucket_for
+
+    base = tiny_base("llama", layers=2)
+    model = EaModel(base, load_head(base, *read_checkpoint(random_draft(base, str(tmp_path / "d")))), None)
+    verify = {4: 0.010, 6: 0.030, 8: 0.011, 12: 0.030, 16: 0.013, 24: 0.060}
+    monkeypatch.setattr(tuner, "verify_costs", lambda *a: verify)
+    monkeypatch.setattr(tuner, "draft_costs", lambda m, options, depth, log=None: [{(1, 1): 0.001}])
+    accept = [[0.6, 0.2], [0.5, 0.2], [0.4, 0.2]]
+    plain = tuner.tune(model, accept)
+    assert plain.chains == () and plain.total_token == 4
+    runs_long = _profile([0.9] * 16)
+    eager = tuner.tune(model, accept, context=runs_long)
+    monkeypatch.setattr(model.base, "compiled", SimpleNamespace(bucket=lambda rows: bucket_for(rows, (1, 4, 8, 16))))
+    compiled = tuner.tune(model, accept, context=runs_long)
+    assert (compiled.total_token, compiled.depth, compiled.top_k) == (plain.total_token, plain.depth, plain.top_k)
+    assert eager.chains[-1] == 12  # 16 more rows: 20, timed between 16 and 24 at 36.5 ms
+    assert compiled.chains[-1] == 16  # 20 rows on the graphs' slope: 14 ms
+    assert tuner.interpolated(verify, 20) == pytest.approx(0.0365) and tuner.interpolated(verify, 32) > 0.060
+
+
+def test_the_context_profile_tool_measures_every_bucket_on_greedy_rounds(model):
+    from eagle.evaluation.context_profile import measure
+
+    chain = model.context_chain
+    try:
+        profile = measure(model, {"copies": [PROMPT, PROMPT[::-1] + PROMPT]}, max_new_tokens=40)
+    finally:
+        model.context_chain, model.context_stats = chain, ContextStats()
+    assert profile["chain"] == max(CHAINS) and profile["rounds"] > 10 and set(profile["sets"]) == {"copies"}
+    assert len(profile["share"]) == len(BUCKETS) and 0 < sum(profile["share"]) <= 1
+    copied = [s for s in profile["survival"] if s]
+    assert copied and all(1 >= a >= b >= 0 for s in copied for a, b in zip(s, s[1:] + [0]))
 
 
 def test_compiled_rounds_with_context_drafts_give_the_eager_rounds(tmp_path, monkeypatch):
-    """The three graphs of a shape with a chain (draft, verify, verify with the chain) give the eager rounds, and
-    rounds with a chain run the third."""
+    """The graphs of a shape with chains of two sizes (draft, verify, verify with a chain of each size) give the
+    eager rounds, and rounds with a chain run the graph of their bucket's size."""
     from eagle.model.draft import HeadStep
     from eagle.model.round_graphs import CompiledRound
     from eagle.model.round_steps import TreeShape
@@ -128,7 +221,9 @@ def test_compiled_rounds_with_context_drafts_give_the_eager_rounds(tmp_path, mon
     model = EaModel(base, load_head(base, *read_checkpoint(random_draft(base, str(tmp_path / "d")))), None,
                     total_token=8, depth=3, top_k=2)  # fmt: skip
     model.context_stats = ContextStats(always=True)
-    shape = TreeShape.of(8, 3, 2).with_chain(model.context_chain)
+    model.context_chains = (3, 3, 3, 6, 6, 6)  # matches of 1-3 tokens offer 3 nodes, longer ones 6
+    shape = TreeShape.of(8, 3, 2).with_chains(model.context_chains)
+    assert shape.chain == 6 and shape.chain_sizes == (3, 6)
 
     def rounds():
         stream = model.stream(torch.tensor([PROMPT]), max_new_tokens=60, stop_token_ids=[], context_drafts=True)
@@ -140,10 +235,16 @@ def test_compiled_rounds_with_context_drafts_give_the_eager_rounds(tmp_path, mon
     counters = torch._dynamo.utils.counters
     counters.clear()
     compiled.warm()
-    assert counters["stats"]["unique_graphs"] == 3 and not counters["graph_break"], dict(counters["graph_break"])
-    calls = []
-    graph = compiled.verify_chain_graph._graph(shape.nodes + shape.chain)
-    compiled.verify_chain_graph.graphs[shape.nodes + shape.chain] = lambda *a: calls.append(1) or graph(*a)
+    assert counters["stats"]["unique_graphs"] == 4 and not counters["graph_break"], dict(counters["graph_break"])
+    calls = {3: 0, 6: 0}
+    for m, graphs in compiled.verify_chain_graphs.items():
+        graph = graphs._graph(shape.nodes + m)
+
+        def counted(*args, _graph=graph, _m=m):
+            calls[_m] += 1
+            return _graph(*args)
+
+        graphs.graphs[shape.nodes + m] = counted
     model.round_runner = lambda *a: compiled
     assert rounds() == eager
-    assert len(calls) >= 5 and sum(r[2] for r in eager) >= 10
+    assert min(calls.values()) >= 2 and sum(calls.values()) >= 5 and sum(r[2] for r in eager) >= 10, calls

@@ -19,8 +19,8 @@ from torch import nn
 
 from . import few_rows, runners
 from .base import BaseModel
-from .checkpoint import build_draft_head, read_acceptance_profile, read_checkpoint
-from .context_draft import ContextDrafter, ContextStats
+from .checkpoint import build_draft_head, read_acceptance_profile, read_checkpoint, read_context_profile
+from .context_draft import BUCKETS, ContextDrafter, ContextStats
 from .draft import Drafter, HeadStep
 from .draft_head import DraftHead
 from .generate import Budget, Round, TreeSpec, eagle_rounds, greedy_tree_rounds, vanilla_rounds
@@ -78,7 +78,9 @@ class EaModel(nn.Module):
         # head in use only
         self.draft_options: list[tuple] | None = None
         self.acceptance: list[list[float]] | None = None  # the head's acceptance profile, when the tree is tuned
-        self.context_chain = CONTEXT_CHAIN
+        # M per match bucket (context_draft.BUCKETS); tuned with the tree where a context profile is known
+        self.context_chains: tuple[int, ...] = (CONTEXT_CHAIN,) * len(BUCKETS)
+        self.context_profile: dict | None = None  # how far copies are accepted (context_draft.pick_chain)
         self.context_stats = ContextStats()  # what context drafts earned here, across generations (context_draft.py)
 
     # ---------------------------------------------------------------------------------------------------------
@@ -136,6 +138,7 @@ class EaModel(nn.Module):
             profile = read_acceptance_profile(ea_model_path)
             if profile is not None and not tree_choices:  # the tree that measures fastest here (tuner.py)
                 model.acceptance = profile["accept"]["0"]
+                model.context_profile = read_context_profile(ea_model_path)
                 model.tune_tree()
             else:
                 model.tree = TreeSpec(model.pick_total_token(), depth, top_k, model.tree.choices)
@@ -145,9 +148,26 @@ class EaModel(nn.Module):
 
     def tune_tree(self, log=None) -> None:
         """Pick the tree that measures fastest here with the forwards in use now (tuner.py); needs the head's
-        acceptance profile (`self.acceptance`, read at load with total_token=-1)."""
-        self.tree_choice = c = tune(self, self.acceptance, log)
+        acceptance profile (`self.acceptance`, read at load with total_token=-1). With a context profile
+        (`self.context_profile`) the context chain's size is picked on the same costs."""
+        self.tree_choice = c = tune(self, self.acceptance, log, self.context_profile)
         self.tree = TreeSpec(c.total_token, c.depth, c.top_k, None)
+        if c.chains:
+            self.context_chains = c.chains
+
+    @property
+    def context_chain(self) -> int:
+        """The longest context chain a round may add (sizes caches and trees)."""
+        return max(self.context_chains)
+
+    @context_chain.setter
+    def context_chain(self, nodes: int) -> None:  # the same size for every match bucket
+        self.context_chains = (nodes,) * len(BUCKETS)
+
+    def shape_of(self, tree: TreeSpec) -> TreeShape:
+        """The static shape of `tree`'s rounds: with the context chains' sizes where `tree.chain` is set."""
+        shape = TreeShape.of(tree.total_token, tree.depth, tree.top_k)
+        return shape.with_chains(self.context_chains) if tree.chain else shape
 
     def compile_draft(self, buckets=None, head=None):
         """The draft head's steps as compiled graphs (runners.draft_graphs), compiled lazily or now with their
@@ -162,7 +182,7 @@ class EaModel(nn.Module):
         tree shape whose steps are not compiled (the forwards' graphs serve it)."""
         if not picker.params.greedy or tree.choices or hasattr(self.base.compiled, "lease"):
             return None
-        shape = TreeShape.of(tree.total_token, tree.depth, tree.top_k).with_chain(tree.chain)
+        shape = self.shape_of(tree)
         if self.base.compiled is None:
             return EagerRound(self.base, HeadStep(self.ea_layer, self.base.lm_head), shape)
         compiled = self.compiled_rounds.get(shape)
@@ -175,7 +195,7 @@ class EaModel(nn.Module):
         times faster here is put in use. context_drafts: the shape of rounds with context drafts (a third graph:
         verify with a chain), with the head in use. CPU only (inductor). Returns the CompiledRound."""
         tree = replace(tree or self.tree, chain=self.context_chain if context_drafts else 0)
-        shape = TreeShape.of(tree.total_token, tree.depth, tree.top_k).with_chain(tree.chain)
+        shape = self.shape_of(tree)
         several = self.draft_options and len(self.draft_options) > 1 and not context_drafts
         options = self.draft_options if several else None  # a context round keeps the head its plain round chose
         heads = [head for head, _ in options] if options else [self.ea_layer]
@@ -272,7 +292,7 @@ class EaModel(nn.Module):
             context = None
             if tree.chain:
                 proposal = tree.max_depth + tree.chain
-                context = ContextDrafter(tree.chain, proposal, self.context_stats, self.base.input_device)
+                context = ContextDrafter(self.context_chains, proposal, self.context_stats, self.base.input_device)
             runner = self.round_runner(tree, picker)
             if runner is not None:
                 shape = runner.shape

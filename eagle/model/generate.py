@@ -48,7 +48,7 @@ class TreeSpec:
     depth: int = 7
     top_k: int = 10
     choices: tuple | None = None
-    chain: int = 0  # M: nodes a context draft may add to a round's tree (context_draft.py); 0 = none
+    chain: int = 0  # M: nodes a context draft may add to a round's tree at most (context_draft.py); 0 = none
 
     @property
     def max_depth(self) -> int:  # the head's deepest node
@@ -158,7 +158,7 @@ def eagle_rounds(
         chain = context.propose() if context is not None else None
         if chain is not None:  # a copy of earlier text in the same tree (round_steps.attach_chain)
             head = DeviceTree(draft.tokens, draft.parents, draft.depth, draft.ancestors)
-            draft = TreeDraft(*attach_chain(head, *chain, tree_spec.chain))
+            draft = TreeDraft(*attach_chain(head, chain.proposal, chain.count, chain.nodes))
         # verify: one base pass over all tree nodes, then the round's one host read (accept)
         mask = tree_mask(committed, draft.ancestors, base.dtype, base.input_device)
         inputs = draft.tokens.clamp(min=0)[None]  # [1, N] a chain's padding nodes (-1) read token 0

@@ -17,6 +17,7 @@ import time
 import torch
 
 from .compiled import BucketGraphs, static_rows
+from .context_draft import ChainDraft
 from .draft import HeadStep
 from .few_rows import few_row_kernels
 from .round_steps import DeviceTree, TreeShape, Verdict, attach_chain, compact, draft_step, verify_step
@@ -34,10 +35,10 @@ class EagerRound:
             return draft_step(self.step, cache, start, features, ids, n, root, self.shape)
 
     def verify(self, cache, committed: int, tree: DeviceTree, chain=None) -> Verdict:
-        """The verify step (on the tree with `chain` attached: (proposal [P], count []) or None), then the accepted
-        path's KV rows kept (`compact`)."""
+        """The verify step (on the tree with `chain` attached: a context_draft.ChainDraft or None), then the
+        accepted path's KV rows kept (`compact`)."""
         if chain is not None:
-            tree = attach_chain(tree, *chain, self.shape.chain)
+            tree = attach_chain(tree, chain.proposal, chain.count, chain.nodes)
         with few_row_kernels():
             verdict = verify_step(self.base, cache, committed, tree, self.shape)
         compact(cache, committed, verdict.path)
@@ -46,7 +47,7 @@ class EagerRound:
 
 class CompiledRound(EagerRound):
     """The draft step and the verify step, each one graph for this tree shape (compiled on first use or `warm`), and
-    with a context chain in the shape, a second verify graph for trees that carry one (`verify_chain`)."""
+    with context chains in the shape, a verify graph for trees that carry one, per chain size (`verify_chain`)."""
 
     def __init__(self, base, step: HeadStep, shape: TreeShape):
         super().__init__(base, step, shape)
@@ -57,14 +58,20 @@ class CompiledRound(EagerRound):
         def verify(cache, committed, tokens, parents, depth, ancestors):
             return verify_step(base, cache, committed, DeviceTree(tokens, parents, depth, ancestors), shape)
 
-        def verify_chain(cache, committed, tokens, parents, depth, ancestors, proposal, count):
-            tree = attach_chain(DeviceTree(tokens, parents, depth, ancestors), proposal, count, shape.chain)
-            return verify_step(base, cache, committed, tree, shape)
+        def verify_chain(chain: int):  # the step with a chain of `chain` nodes (a size in the closure: not symbolic)
+            def step(cache, committed, tokens, parents, depth, ancestors, proposal, count):
+                tree = attach_chain(DeviceTree(tokens, parents, depth, ancestors), proposal, count, chain)
+                return verify_step(base, cache, committed, tree, shape)
+
+            return step
 
         self.draft_graph = BucketGraphs(draft, (shape.nodes,), (step.head, step.base_lm_head), "compiled draft steps")
         self.verify_graph = BucketGraphs(verify, (shape.nodes,), (base.model,), "compiled verify steps")
-        self.verify_chain_graph = BucketGraphs(verify_chain, (shape.nodes + shape.chain,), (base.model,),
-                                               "compiled verify steps with a context chain")  # fmt: skip
+        self.verify_chain_graphs = {  # chain nodes M -> the verify step's graph over the N + M rows
+            m: BucketGraphs(verify_chain(m), (shape.nodes + m,), (base.model,),
+                            f"compiled verify steps with a context chain of {m}")  # fmt: skip
+            for m in shape.chain_sizes
+        }
 
     def draft(self, cache, start: int, features, ids, n, root) -> DeviceTree:
         if start < 2 or ids.shape[0] != self.shape.commit_rows:
@@ -80,9 +87,9 @@ class CompiledRound(EagerRound):
         if chain is None:
             out = self.verify_graph.call(self.shape.nodes, (cache, committed, *tree), undo=undo)
         else:
-            static_rows((chain[0], 0))
-            out = self.verify_chain_graph.call(self.shape.nodes + self.shape.chain, (cache, committed, *tree, *chain),
-                                               undo=undo)  # fmt: skip
+            static_rows((chain.proposal, 0))
+            graphs, rows = self.verify_chain_graphs[chain.nodes], self.shape.nodes + chain.nodes
+            out = graphs.call(rows, (cache, committed, *tree, chain.proposal, chain.count), undo=undo)
         verdict = Verdict(*out)
         compact(cache, committed, verdict.path)
         return verdict
@@ -104,11 +111,12 @@ class CompiledRound(EagerRound):
                 t0 = time.perf_counter()
                 self.verify(cache, context, tree)
                 seconds["verify"] = time.perf_counter() - t0
-            if "verify_chain" in steps:
-                cache.crop_to(context)
-                chain = torch.zeros(shape.proposal, dtype=torch.long), torch.tensor(2)
+            if "verify_chain" in steps:  # every chain size
                 t0 = time.perf_counter()
-                self.verify(cache, context, tree, chain)
+                for m in shape.chain_sizes:
+                    cache.crop_to(context)
+                    self.verify(cache, context, tree, ChainDraft(torch.zeros(shape.proposal, dtype=torch.long),
+                                                                 torch.tensor(2), m))  # fmt: skip
                 seconds["verify_chain"] = time.perf_counter() - t0
         if log:
             log(f"compiled the round's {', '.join(steps)} step{'s' if len(steps) > 1 else ''} in "

@@ -30,12 +30,14 @@ from .tree import ancestors_on_device
 class TreeShape:
     """The static shape of an EAGLE-2 dynamic tree: `levels` head expansions of `top_k` nodes each after the root's
     children, `nodes` kept (with the root), the deepest at depth `levels + 1`; with `chain` > 0, rounds may add a
-    chain of that many context nodes (`attach_chain`), and every path, commit and packet is sized for it."""
+    chain of up to that many context nodes (`attach_chain`; of one of the sizes `chain_sizes`), and every path,
+    commit and packet is sized for the longest."""
 
     top_k: int
     levels: int
     nodes: int
-    chain: int = 0  # M
+    chain: int = 0  # M, the longest chain
+    chains: tuple[int, ...] = ()  # the chain sizes rounds may add (() with a chain: `chain` alone)
 
     @classmethod
     def of(cls, total_token: int, depth: int, top_k: int) -> "TreeShape":
@@ -44,7 +46,15 @@ class TreeShape:
         return cls(top_k, levels, min(total_token - 1, pool) + 1)
 
     def with_chain(self, chain: int) -> "TreeShape":
-        return TreeShape(self.top_k, self.levels, self.nodes, chain)
+        return self.with_chains((chain,))
+
+    def with_chains(self, chains) -> "TreeShape":
+        sizes = tuple(sorted({m for m in chains if m}))
+        return TreeShape(self.top_k, self.levels, self.nodes, max(sizes, default=0), sizes if len(sizes) > 1 else ())
+
+    @property
+    def chain_sizes(self) -> tuple[int, ...]:
+        return self.chains or ((self.chain,) if self.chain else ())
 
     @property
     def head_depth(self) -> int:  # the head's deepest node

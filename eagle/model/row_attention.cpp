@@ -9,11 +9,13 @@
 // in vector lanes fixed by position, so the masked gaps of a tree shift the lanes of the later keys.)
 //
 // Per row and query head: the allowed keys gathered (n of them); scores s[c] = dot(q, k[c]) * scale + mask, each
-// dot summed in VL lanes over d then the lanes in a fixed order (VL keys at a time, the same sums: block_dots); max; p[c] = exp(s[c] - max) (a polynomial,
-// vectorised); sum of p in VL lanes by c then in a fixed order; out = sum_c p[c] v[c] in c order, / the sum.
+// dot fused-multiply-added in VL lanes over d then the lanes summed in a fixed order (VL keys at a time, the same
+// sums: block_dots); max; p[c] = exp(s[c] - max) (a polynomial, vectorised); sum of p in VL lanes by c then in a
+// fixed order; out = sum_c p[c] v[c] fused-multiply-added in c order, / the sum.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <immintrin.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -37,6 +39,24 @@ constexpr float BLOCKED = -1e30f;  // an additive mask value at or below this hi
 static inline vec loadu(const float* p) { return *reinterpret_cast<const vec_u*>(p); }
 static inline void storeu(float* p, vec a) { *reinterpret_cast<vec_u*>(p) = a; }
 static inline vec splat(float a) { return vec{} + a; }
+// a * b + c rounded once (the build has no -ffp-contract: a * b + c written out rounds twice)
+static inline vec fmadd(vec a, vec b, vec c) {
+#if defined(__AVX512F__)
+  return (vec)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+#elif defined(__FMA__)
+  return (vec)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
+#else
+  vec r;
+  for (int l = 0; l < VL; l++) r[l] = std::fma(a[l], b[l], c[l]);
+  return r;
+#endif
+}
+static inline vec vmax(vec a, vec b) { return a > b ? a : b; }
+static inline float lanes_max(vec a) {  // exact in any order
+  float m = a[0];
+  for (int l = 1; l < VL; l++) m = std::max(m, a[l]);
+  return m;
+}
 static inline float lanes_sum(vec a) {  // a fixed order: pairwise halves, lane i + w onto lane i
   typedef float v8 __attribute__((vector_size(8 * sizeof(float))));
   typedef float v4 __attribute__((vector_size(4 * sizeof(float))));
@@ -74,9 +94,9 @@ static inline vec exp_nonpositive(vec x) {
 static inline float dot(const float* q, const float* k, int64_t D) {
   vec acc{};
   int64_t d = 0;
-  for (; d + VL <= D; d += VL) acc += loadu(q + d) * loadu(k + d);
+  for (; d + VL <= D; d += VL) acc = fmadd(loadu(q + d), loadu(k + d), acc);
   float sum = lanes_sum(acc);
-  for (; d < D; d++) sum += q[d] * k[d];
+  for (; d < D; d++) sum = std::fma(q[d], k[d], sum);
   return sum;
 }
 
@@ -88,7 +108,7 @@ static inline vec block_dots(const float* q, const float* k, const int64_t* keys
   for (int j = 0; j < VL; j++) a[j] = vec{};
   for (int64_t d = 0; d < D; d += VL) {
     const vec qd = loadu(q + d);
-    for (int j = 0; j < VL; j++) a[j] += qd * loadu(k + keys[j] * D + d);
+    for (int j = 0; j < VL; j++) a[j] = fmadd(qd, loadu(k + keys[j] * D + d), a[j]);
   }
 #ifdef __AVX512F__
   vec b[8], c[4], e[2];
@@ -125,8 +145,8 @@ static void weighted_sum(const float* p, const int64_t* keys, int64_t n, const f
   for (int64_t c = 0; c < n; c++) {
     const float* vj = v + keys[c] * D;
     int64_t d = 0;
-    for (; d + VL <= D; d += VL) storeu(out + d, loadu(out + d) + p[c] * loadu(vj + d));
-    for (; d < D; d++) out[d] += p[c] * vj[d];
+    for (; d + VL <= D; d += VL) storeu(out + d, fmadd(splat(p[c]), loadu(vj + d), loadu(out + d)));
+    for (; d < D; d++) out[d] = std::fma(p[c], vj[d], out[d]);
   }
 }
 
@@ -145,8 +165,8 @@ void weighted_sums(const float* p, int64_t pstride, int64_t heads, const int64_t
       vec vv[NV];
       for (int i = 0; i < NV; i++) vv[i] = loadu(vj + i * VL);
       for (int hh = 0; hh < hc; hh++) {
-        const float ph = p[(h0 + hh) * pstride + c];
-        for (int i = 0; i < NV; i++) acc[hh][i] += ph * vv[i];
+        const vec ph = splat(p[(h0 + hh) * pstride + c]);
+        for (int i = 0; i < NV; i++) acc[hh][i] = fmadd(ph, vv[i], acc[hh][i]);
       }
     }
     for (int hh = 0; hh < hc; hh++)
@@ -222,26 +242,33 @@ at::Tensor row_attention(const at::Tensor& q, const at::Tensor& k, const at::Ten
       int64_t c = 0;
       if (D % VL == 0) {
         for (; c + VL <= n; c += VL) {
-          for (int64_t hh = 0; hh < G; hh++) {
-            const vec d = block_dots(q_of(hh), kg, row_keys + c, D);
+          for (int64_t hh = 0; hh < G; hh++) {  // d * scale + mask in one rounding, as the tail below
             float* sh = s.data() + hh * sstride;
-            for (int l = 0; l < VL; l++) sh[c + l] = d[l] * sc + sh[c + l];
+            storeu(sh + c, fmadd(block_dots(q_of(hh), kg, row_keys + c, D), splat(sc), loadu(sh + c)));
           }
         }
       }
       for (; c < n; c++)
         for (int64_t hh = 0; hh < G; hh++)
-          s[hh * sstride + c] = dot(q_of(hh), kg + row_keys[c] * D, D) * sc + s[hh * sstride + c];
+          s[hh * sstride + c] = std::fma(dot(q_of(hh), kg + row_keys[c] * D, D), sc, s[hh * sstride + c]);
       for (int64_t hh = 0; hh < G; hh++) {
         float* sh = s.data() + hh * sstride;
-        float top = -std::numeric_limits<float>::infinity();
-        for (c = 0; c < n; c++) top = std::max(top, sh[c]);
+        const int64_t full = n / VL * VL;
+        vec tops = splat(-std::numeric_limits<float>::infinity());
+        for (c = 0; c < full; c += VL) tops = vmax(tops, loadu(sh + c));
+        float top = lanes_max(tops);
+        for (c = full; c < n; c++) top = std::max(top, sh[c]);
         vec lanes{};
-        for (c = 0; c < n; c += VL) {
-          vec x;
-          for (int l = 0; l < VL; l++) x[l] = c + l < n ? sh[c + l] - top : -1e30f;
-          const vec p = exp_nonpositive(x);
+        for (c = 0; c < full; c += VL) {
+          const vec p = exp_nonpositive(loadu(sh + c) - top);
           storeu(sh + c, p);
+          lanes += p;
+        }
+        if (full < n) {  // the last keys; lanes past n add exp(-1e30) = 0
+          vec x;
+          for (int l = 0; l < VL; l++) x[l] = full + l < n ? sh[full + l] - top : -1e30f;
+          const vec p = exp_nonpositive(x);
+          storeu(sh + full, p);
           lanes += p;
         }
         total[hh] = lanes_sum(lanes);
@@ -255,7 +282,10 @@ at::Tensor row_attention(const at::Tensor& q, const at::Tensor& k, const at::Ten
           weighted_sum(s.data() + hh * sstride, row_keys, n, vg, o.data() + hh * ostride, D);
       for (int64_t hh = 0; hh < G; hh++) {
         float* oi = op + (i * H + g * G + hh) * D;
-        for (int64_t d = 0; d < D; d++) oi[d] = o[hh * ostride + d] / total[hh];
+        const float* oh = o.data() + hh * ostride;
+        int64_t d = 0;
+        for (; d + VL <= D; d += VL) storeu(oi + d, loadu(oh + d) / total[hh]);
+        for (; d < D; d++) oi[d] = oh[d] / total[hh];
       }
     }
   });

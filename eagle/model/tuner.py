@@ -23,6 +23,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from .context_draft import pick_chains
 from .timing import repeated_seconds
 
 SIZES = (4, 6, 8, 12, 16, 24, 32, 40, 48, 60)
@@ -38,6 +39,7 @@ class TreeChoice:
     seconds: float  # expected seconds per round
     tokens_per_s: float
     draft_dtype: str = ""  # the head's dtype the costs were measured in
+    chains: tuple[int, ...] = ()  # context-chain nodes (M) per match bucket picked for this tree on these costs
 
 
 def expected_tau(accept: list[list[float]], total_token: int, depth: int, top_k: int) -> float:
@@ -428,10 +430,25 @@ def faster_draft_dtype(model, candidate: torch.dtype = torch.bfloat16, log=None)
     return candidate if seconds["candidate"] < seconds["own"] else own
 
 
-def tune(model, accept: list[list[float]], log=None) -> TreeChoice:
+def interpolated(costs: dict[int, float], rows: int) -> float:
+    """Seconds of a pass over `rows` from costs measured at some row counts: linear between the nearest two (beyond
+    the largest: the last slope)."""
+    sizes = sorted(costs)
+    if rows in costs:
+        return costs[rows]
+    upper = next((n for n in sizes if n > rows), sizes[-1])
+    lower = max((n for n in sizes if n < upper), default=sizes[0])
+    if upper == lower:
+        return costs[upper]
+    return costs[lower] + (rows - lower) * (costs[upper] - costs[lower]) / (upper - lower)
+
+
+def tune(model, accept: list[list[float]], log=None, context: dict | None = None) -> TreeChoice:
     """Measure (or read the cached) costs and pick the tree for `model` with acceptance profile `accept`; where
     compiling left draft heads in two dtypes (`model.draft_options`), the tree and the dtype together, on the same
-    verify costs: the pick's head and graphs become the model's."""
+    verify costs: the pick's head and graphs become the model's. With a context profile (context_draft.py), also
+    the context chains' sizes for that tree on the same verify costs (those of passes timed at their own rows:
+    with compiled forwards, the graphs' rows; the rest pad to a graph's or run eagerly)."""
     widest = len(accept[0])
     options = model.draft_options or [(model.ea_layer, model.compiled_draft)]
     verify = verify_costs(model, log)
@@ -442,4 +459,12 @@ def tune(model, accept: list[list[float]], log=None) -> TreeChoice:
         if best is None or choice.tokens_per_s > best[0].tokens_per_s:
             best = (choice, head, graphs)
     model.ea_layer, model.compiled_draft = best[1], best[2]
-    return best[0]
+    choice = best[0]
+    if context is not None:
+        n, compiled = choice.total_token, model.base.compiled
+        exact = {rows: s for rows, s in verify.items() if compiled is None or compiled.bucket(rows) == rows}
+        exact = exact if len(exact) > 1 else verify
+        chains = pick_chains(context, choice.tau, choice.seconds,
+                             lambda m: interpolated(exact, n + m) - interpolated(exact, n))  # fmt: skip
+        choice = replace(choice, chains=chains)
+    return choice
