@@ -1,7 +1,7 @@
 """Model work done while no reply runs: the vanilla reference of each path, and compiled rounds loaded, measured
-against eager ones and put in use; then the greedy round's steps for the tree in use (`two_step_rounds`), and the
-same round's shape with a context chain (`context_rounds`: context drafts on compiled rounds), each compiled by a
-child and brought in the same way.
+against eager ones and put in use together with the greedy round's steps for the tree in use; then the same round's
+shape with context chains (`context_rounds`: context drafts on compiled rounds), each compiled by a child and
+brought in the same way.
 
 Work comes as jobs: generators whose every step is one unit of model work (seconds; a graph loaded from the cache
 takes up to a minute on a 2-core CPU). Each yields, before a unit, a line that says what the unit does (a `Loading`
@@ -173,7 +173,8 @@ def awaiting(child, graph: str | None = None) -> Iterator[Wait]:
 def compiled_rounds(engine, child, spec, mode: str, log) -> Iterator[str | Loading | Wait]:
     """Wait for `child` (a ChildCompile, or None when the graphs are in the cache already), load the graphs from the
     cache a graph a unit, decide (mode "auto": only where compiled forwards measure faster, idle and stable), then
-    tune the tree and time vanilla decoding with them, and put them in use."""
+    tune the tree and time vanilla decoding with them, have the round's two steps for that tree compiled and loaded,
+    and put them all in use together; then the round with context chains (`context_rounds`)."""
     from eagle.model import runners
 
     from .precompile import graph_name, load_compiled_head
@@ -233,20 +234,27 @@ def compiled_rounds(engine, child, spec, mode: str, log) -> Iterator[str | Loadi
         yield "tuning the draft tree for compiled rounds"
         with rounds_in_use(model, base_graphs, head, draft_graphs), OthersCpu() as load:
             model.tune_tree(log)
-            tree = (model.tree, model.tree_choice)
+            tree = (model.tree, model.tree_choice, model.context_chains)
         if load.busy:  # measured costs are cached for later starts: not these
             from eagle.model.tuner import forget_costs
 
             with rounds_in_use(model, base_graphs, head, draft_graphs):
                 forget_costs(model)
     yield from vanilla_reference(engine, "compiled", lambda: rounds_in_use(model, base_graphs, head, draft_graphs))
+    # The round's two steps before anything is put in use: EAGLE on the forwards' graphs alone (the general loop)
+    # is about level with compiled vanilla on a small base, and a page showing that would show no speedup.
+    steps = None
+    if not hasattr(base_graphs, "lease"):  # CUDA graphs run their own rounds
+        steps = yield from _load_round_steps(engine, spec, head, tree[0] if tree is not None else model.tree, (), log)
     yield "putting the compiled rounds in use"
     model.base.compiled, model.ea_layer, model.compiled_draft = base_graphs, head, draft_graphs
     if tree is not None:
-        model.tree, model.tree_choice = tree
+        model.tree, model.tree_choice, model.context_chains = tree
+    came = _put_in_use(engine, steps, log)
     engine.compiled_in_use()
     log("compiled rounds in use")
-    yield from compiled_round_steps(engine, spec, log)
+    if came:
+        yield from context_rounds(engine, spec, log)
 
 
 def compiled_round_steps(engine, spec, log) -> Iterator[str | Loading | Wait]:
@@ -262,6 +270,20 @@ def two_step_rounds(engine, spec, log) -> Iterator[str | Loading | Wait]:
     unit and put in use. If they fail, rounds go on with the forwards' graphs, said in the log. Returns whether
     they came in."""
     came = yield from _round_steps(engine, spec, chains=(), log=log)
+    return _said(came, log)
+
+
+def _put_in_use(engine, steps, log) -> bool:
+    """`steps` from `_load_round_steps` (the two-step round for the tree now in use) put in use; whether they were."""
+    model = engine.model
+    if steps is not None and not isinstance(steps, str) and model.shape_of(model.tree) == steps.shape:
+        model.compiled_rounds[steps.shape] = steps
+        engine.info.update(engine.describe(model))
+        steps = True
+    return _said(steps, log)
+
+
+def _said(came, log) -> bool:
     if came is True:
         log("rounds in two compiled steps in use (draft, verify)")
     elif came:
@@ -289,19 +311,34 @@ def _round_steps(engine, spec, chains: tuple[int, ...], log) -> Iterator[str | L
     `model.compiled_rounds`. Returns True when they came in, the child's error (a string) when compiling failed,
     None when there was nothing to do (a static tree, eager forwards or CUDA graphs) or the head or the tree changed
     meanwhile."""
+    model, tree, head = engine.model, engine.model.tree, engine.model.ea_layer
+    if model.base.compiled is None or hasattr(model.base.compiled, "lease"):
+        return None
+    rounds = yield from _load_round_steps(engine, spec, head, tree, chains, log)
+    if rounds is None or isinstance(rounds, str):
+        return rounds
+    if model.ea_layer is not head or model.tree != tree or (chains and set(model.context_chains) != set(chains)):
+        return None  # the head, the tree or the chains changed meanwhile: these graphs serve none of them
+    model.compiled_rounds[rounds.shape] = rounds
+    engine.info.update(engine.describe(model))
+    return True
+
+
+def _load_round_steps(engine, spec, head, tree, chains: tuple[int, ...], log) -> Iterator[str | Loading | Wait]:
+    """The CompiledRound of `head` for `tree` with context chains of the sizes `chains` (): a child compiles its
+    graphs (unless a manifest says they are compiled already), loaded here a graph a unit. Returns it, not in use;
+    the child's error (a string) when compiling failed; None for a static tree."""
     from dataclasses import replace
 
     from .precompile import ROUND_STEPS, ChildCompile, compiled_before, graph_name, round_graphs
 
-    model, tree = engine.model, engine.model.tree
-    if tree.choices or model.base.compiled is None or hasattr(model.base.compiled, "lease"):
+    if tree.choices:
         return None
     spec = replace(spec, base_buckets=(), draft_buckets=(), round_tree=(tree.total_token, tree.depth, tree.top_k),
                    round_chains=chains)  # fmt: skip
     child = None if compiled_before(spec) else ChildCompile(spec)
     engine.child = child
-    head = model.ea_layer
-    rounds = round_graphs(model, head, spec.round_tree, chains)
+    rounds = round_graphs(engine.model, head, spec.round_tree, chains)
     try:
         for kind, nodes in spec.graphs():
             yield from awaiting(child, graph_name(kind, nodes, chains))
@@ -314,10 +351,4 @@ def _round_steps(engine, spec, chains: tuple[int, ...], log) -> Iterator[str | L
         yield from awaiting(child)
     finally:
         engine.child = None
-    if child is not None and child.error:
-        return child.error
-    if model.ea_layer is not head or model.tree != tree or (chains and set(model.context_chains) != set(chains)):
-        return None  # the head, the tree or the chains changed meanwhile: these graphs serve none of them
-    model.compiled_rounds[rounds.shape] = rounds
-    engine.info.update(engine.describe(model))
-    return True
+    return child.error if child is not None and child.error else rounds

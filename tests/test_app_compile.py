@@ -79,9 +79,11 @@ def test_children_compile_only_while_the_model_is_idle_and_the_graphs_change_no_
     assert child.ok, child.error
     assert engine.path == "compiled" and model.compiled_draft is not None, engine.status
     assert engine.reference("compiled").step_s > 0 and "compiled rounds in use" in lines
-    # then a child compiles the greedy round's two steps for the tree in use, and they come in; then the same round
-    # with a context chain, and only then do replies on compiled rounds ask for context drafts
+    # a child compiles the greedy round's two steps for the tree in use, and they come in with the forwards' graphs
+    # (EAGLE never runs the general loop on compiled forwards against a compiled vanilla); then the same round with a
+    # context chain, and only then do replies on compiled rounds ask for context drafts
     two_steps = lines.index("rounds in two compiled steps in use (draft, verify)")
+    assert two_steps < lines.index("compiled rounds in use"), lines
     assert lines[-1] == "rounds with context drafts in compiled steps in use (draft, verify, verify with a chain)"
     assert any("verify step with a context chain" in line for line in lines[two_steps:]), lines
     assert isinstance(model.round_runner(model.tree, TokenPicker(SamplingParams())), CompiledRound)

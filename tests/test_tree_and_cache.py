@@ -152,6 +152,28 @@ def test_compact_moves_kept_rows_into_the_prefix():
         assert layer.values[0, 0, :6, 0].tolist() == [0, -1, -2, -3, -5, -6]
 
 
+def test_compact_copies_only_the_rows_that_moved(monkeypatch):
+    from eagle.model.kv_cache import PreallocatedLayer
+
+    cache = TreeKVCache(num_layers=2, capacity=12)
+    states = torch.arange(9.0).view(1, 1, 9, 1)
+    for layer in cache.layers:
+        layer.update(states, -states)
+    copies = []
+    move = PreallocatedLayer.compact
+    monkeypatch.setattr(PreallocatedLayer, "compact", lambda self, keep, start: copies.append(
+        (keep.tolist(), start)) or move(self, keep, start))  # fmt: skip
+    cache.compact([3, 4, 5], start=3)  # a chain's path: its rows are where they belong
+    assert copies == [] and all(layer.get_seq_length() == 6 for layer in cache.layers)
+    for layer in cache.layers:
+        layer.update(states[:, :, 6:9], -states[:, :, 6:9])  # a tree after the 6 kept rows: nodes 6, 7, 8
+    cache.compact([6, 8], start=6)  # the root in place, the node at row 8 moves to 7
+    assert copies == [([8], 7)] * 2
+    for layer in cache.layers:
+        assert layer.get_seq_length() == 8
+        assert layer.keys[0, 0, :8, 0].tolist() == [0, 1, 2, 3, 4, 5, 6, 8]
+
+
 def test_auto_tree_size_is_timed_and_stays_lossless(tmp_path):
     from tiny import save_base
 

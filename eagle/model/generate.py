@@ -204,13 +204,15 @@ def greedy_tree_rounds(
     length = torch.tensor(prompt, device=root.device)  # [] n on the device
     if context is not None:
         context.extend(input_ids[0].tolist() + tokens)
+    depth = runner.shape.max_depth  # D: the packet's layout (round_steps.Verdict)
     while True:
         tree = runner.draft(draft_cache, start, features, ids, length, root)
         draft_cache.length = start = start + n
         verdict = runner.verify(cache, committed, tree, context.propose() if context is not None else None)
         packet = verdict.packet.tolist()  # the round's one host read
-        n, root_id, from_context = packet[0], packet[-2], packet[-1]  # n: the path's nodes, root included
-        cache.crop_to(committed + n)  # the path's rows stay in the base cache
+        n, root_id, from_context = packet[0], packet[depth + 1], packet[depth + 2]  # n: the path's nodes, root included
+        path = packet[depth + 3 : depth + 3 + n]
+        cache.compact([committed + i for i in path], committed)  # the path's rows stay (in place already: no copy)
         new_tokens = packet[1:n] + [root_id]
         tokens, stop = budget.take(new_tokens)
         accepted, seconds = min(n - 1, len(tokens)), time.perf_counter() - t0

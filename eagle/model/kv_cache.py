@@ -134,13 +134,15 @@ class TreeKVCache(Cache):
             layer.length = length
 
     def compact(self, keep: list[int], start: int) -> None:
-        """Keep cache positions `keep` (absolute, ascending) as positions start, start+1, ...; drop the rest."""
-        if keep == list(range(start, start + len(keep))):  # already in place: only truncate
+        """Keep cache positions `keep` (absolute, ascending) as positions start, start+1, ...; drop the rest. Rows
+        already in place (a leading run of keep[i] == start + i) are not copied."""
+        moved = next((i for i, position in enumerate(keep) if position != start + i), len(keep))
+        if moved == len(keep):  # all in place: only truncate
             self.crop_to(start + len(keep))
             return
         index = {}  # one copy per device the layers live on (a device_map spreads them), not one per layer
         for layer in self.layers:
             if layer.is_initialized:
                 device = layer.keys.device
-                index.setdefault(device, to_device(keep, device))
-                layer.compact(index[device], start)
+                index.setdefault(device, to_device(keep[moved:], device))
+                layer.compact(index[device], start + moved)

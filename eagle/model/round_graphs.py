@@ -1,8 +1,8 @@
 """Runners of a greedy EAGLE-2 round's two steps (round_steps.py), one interface:
 
     runner.draft(cache, start, features, ids, n, root) -> DeviceTree
-    runner.verify(cache, committed, tree, chain) -> Verdict   (the accepted path's KV rows kept: round_steps.compact;
-                                                             chain: a context draft added first, or None)
+    runner.verify(cache, committed, tree, chain) -> Verdict   (chain: a context draft added first, or None; the
+                                                             caller keeps the accepted path's KV rows)
 
 `EagerRound` calls the step functions; `CompiledRound` runs each as one inductor graph per tree shape, with the
 machinery of the base's graphs (compiled.py: weights frozen, the panel kernel for float32 linears, the context
@@ -20,7 +20,7 @@ from .compiled import BucketGraphs, static_rows
 from .context_draft import ChainDraft
 from .draft import HeadStep
 from .few_rows import few_row_kernels
-from .round_steps import DeviceTree, TreeShape, Verdict, attach_chain, compact, draft_step, verify_step
+from .round_steps import DeviceTree, TreeShape, Verdict, attach_chain, draft_step, verify_step
 from .timing import repeated_seconds
 
 
@@ -35,14 +35,12 @@ class EagerRound:
             return draft_step(self.step, cache, start, features, ids, n, root, self.shape)
 
     def verify(self, cache, committed: int, tree: DeviceTree, chain=None) -> Verdict:
-        """The verify step (on the tree with `chain` attached: a context_draft.ChainDraft or None), then the
-        accepted path's KV rows kept (`compact`)."""
+        """The verify step (on the tree with `chain` attached: a context_draft.ChainDraft or None); the cache holds
+        the whole tree's rows after it."""
         if chain is not None:
             tree = attach_chain(tree, chain.proposal, chain.count, chain.nodes)
         with few_row_kernels():
-            verdict = verify_step(self.base, cache, committed, tree, self.shape)
-        compact(cache, committed, verdict.path)
-        return verdict
+            return verify_step(self.base, cache, committed, tree, self.shape)
 
 
 class CompiledRound(EagerRound):
@@ -90,9 +88,7 @@ class CompiledRound(EagerRound):
             static_rows((chain.proposal, 0))
             graphs, rows = self.verify_chain_graphs[chain.nodes], self.shape.nodes + chain.nodes
             out = graphs.call(rows, (cache, committed, *tree, chain.proposal, chain.count), undo=undo)
-        verdict = Verdict(*out)
-        compact(cache, committed, verdict.path)
-        return verdict
+        return Verdict(*out)
 
     def warm(self, log=None, context: int = 64, steps=None) -> dict[str, float]:
         """Compile the graphs of `steps` now (a step left out runs eagerly): a round over dummy tokens after

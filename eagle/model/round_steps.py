@@ -1,8 +1,8 @@
 """A greedy EAGLE-2 round as two functions of tensors, each one graph when compiled (round_graphs.py):
 
     draft_step:  commit the accepted path to the draft cache, grow the tree level by level, select its nodes
-    verify_step: the base pass over the tree, greedy acceptance, the next commit's inputs (then `compact`: the
-                 accepted path's KV rows kept)
+    verify_step: the base pass over the tree, greedy acceptance, the next commit's inputs (then the caller keeps
+                 the accepted path's KV rows, from the path in the packet it reads)
     attach_chain: a context draft (a copy of earlier text, context_draft.py) added to the tree before the pass
 
 Nothing inside either reads the device from the host: the accepted path, its length and the next root stay tensors
@@ -87,8 +87,8 @@ class DeviceTree(NamedTuple):
 
 
 class Verdict(NamedTuple):
-    packet: torch.Tensor  # [D + 3] long: path length L (root included), the L - 1 accepted tokens, pads, next root,
-    #                       then how many of the accepted tokens (the last ones) are context nodes
+    packet: torch.Tensor  # [2D + 4] long: path length L (root included), the L - 1 accepted tokens, pads, next root,
+    #                       how many of the accepted tokens (the last ones) are context nodes, then `path`
     path: torch.Tensor  # [D + 1] long: the path's node at each depth (root first; 0 past its end)
     features: torch.Tensor  # [C, F] base features of the path's nodes (rows >= L: padding)
     commit_ids: torch.Tensor  # [C] the token after each path node: accepted tokens then the next root (pads after)
@@ -176,8 +176,8 @@ def verify_step(base, cache, committed: int, tree: DeviceTree, shape: TreeShape)
     """The base pass over the tree's N nodes after `committed` cached positions, and greedy acceptance.
 
     base: base.BaseModel (its `decode`, the forward itself); cache: its TreeKVCache at length `committed`, which the
-    pass writes the N nodes' rows after; `compact` then keeps the path's. Nodes from `shape.nodes` on are context
-    nodes (`attach_chain`)."""
+    pass writes the N nodes' rows after; the caller then keeps the path's (`packet`). Nodes from `shape.nodes` on are
+    context nodes (`attach_chain`)."""
     ids, depth, ancestors = tree.tokens, tree.depth, tree.ancestors
     mask = tree_mask(committed, ancestors, base.dtype, ids.device)  # [1, 1, N, committed + N]
     inputs = ids.clamp(min=0)[None]  # [1, N] padding nodes read token 0
@@ -190,7 +190,7 @@ def verify_step(base, cache, committed: int, tree: DeviceTree, shape: TreeShape)
     commit_ids = torch.where(at == length - 1, root, torch.cat([accepted, root.reshape(1)]))  # [C]
     levels = torch.arange(shape.max_depth + 1, device=ids.device)  # [D + 1]
     from_context = ((path >= shape.nodes) & (levels < length)).sum()  # [] accepted context nodes
-    packet = torch.cat([length.reshape(1), accepted, root.reshape(1), from_context.reshape(1)])  # [D + 3]
+    packet = torch.cat([length.reshape(1), accepted, root.reshape(1), from_context.reshape(1), path])  # [2D + 4]
     return Verdict(packet, path, features.index_select(0, path), commit_ids, length, root)
 
 
@@ -215,16 +215,6 @@ def attach_chain(tree: DeviceTree, proposal: torch.Tensor, count: torch.Tensor, 
     rows = torch.cat([torch.cat([ancestors, ancestors.new_zeros(N, chain)], dim=1), torch.cat([above, own], dim=1)])
     return DeviceTree(torch.cat([tokens, chain_tokens]), torch.cat([parents, chain_parents]),
                       torch.cat([depth, at + 1]), rows)  # fmt: skip
-
-
-def compact(cache, committed: int, path: torch.Tensor) -> None:
-    """Move the accepted path's KV rows (tree nodes `path` [D + 1], written after `committed` rows) to committed ..
-    committed + D; rows past the path's length are padding, which the caller drops by setting the cache's length.
-    Kept out of the verify step's graph: a compiled graph that reads and rewrites the cache it has just written
-    copies every layer's whole buffer."""
-    keep = committed + path  # [D + 1] cache positions of the path's rows
-    for layer in cache.layers:  # kv_cache.PreallocatedLayer.compact, on the device: no host read of the path
-        layer.compact(keep, committed)
 
 
 def accept_path(tree: DeviceTree, draws: torch.Tensor, max_depth: int) -> tuple[torch.Tensor, torch.Tensor]:
