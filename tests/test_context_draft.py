@@ -171,8 +171,8 @@ def test_a_profile_of_other_buckets_is_refused_with_the_command_that_measures_it
 
 
 def test_the_tuned_tree_carries_chains_picked_on_the_costs_of_passes_timed_at_their_own_rows(monkeypatch, tmp_path):
-    """With compiled forwards the tuner's 6- and 12-row passes pad to a graph or run eagerly: the chains' costs are
-    read off the graphs' own rows (4, 8, 16) instead."""
+    """With compiled forwards the tuner's 6- and 12-row passes pad to a graph (or run eagerly): the chains' costs are
+    read off the graphs' own rows instead, and no chain reaches past the most rows timed."""
     from types import SimpleNamespace
 
     from eagle.model import tuner
@@ -180,7 +180,7 @@ def test_the_tuned_tree_carries_chains_picked_on_the_costs_of_passes_timed_at_th
 
     base = tiny_base("llama", layers=2)
     model = EaModel(base, load_head(base, *read_checkpoint(random_draft(base, str(tmp_path / "d")))), None)
-    verify = {4: 0.010, 6: 0.030, 8: 0.011, 12: 0.030, 16: 0.013, 24: 0.060}
+    verify = {4: 0.010, 6: 0.010, 8: 0.011, 12: 0.011, 16: 0.030, 24: 0.060}
     monkeypatch.setattr(tuner, "verify_costs", lambda *a: verify)
     monkeypatch.setattr(tuner, "draft_costs", lambda m, options, depth, log=None: [{(1, 1): 0.001}])
     accept = [[0.6, 0.2], [0.5, 0.2], [0.4, 0.2]]
@@ -188,12 +188,15 @@ def test_the_tuned_tree_carries_chains_picked_on_the_costs_of_passes_timed_at_th
     assert plain.chains == () and plain.total_token == 4
     runs_long = _profile([0.9] * 16)
     eager = tuner.tune(model, accept, context=runs_long)
-    monkeypatch.setattr(model.base, "compiled", SimpleNamespace(bucket=lambda rows: bucket_for(rows, (1, 4, 8, 16))))
+    assert eager.chains[-1] == 8  # 12 rows timed at 11 ms
+    graphs = lambda *buckets: SimpleNamespace(bucket=lambda rows: bucket_for(rows, buckets))  # noqa: E731
+    monkeypatch.setattr(model.base, "compiled", graphs(1, 4, 8, 16))
     compiled = tuner.tune(model, accept, context=runs_long)
     assert (compiled.total_token, compiled.depth, compiled.top_k) == (plain.total_token, plain.depth, plain.top_k)
-    assert eager.chains[-1] == 12  # 16 more rows: 20, timed between 16 and 24 at 36.5 ms
-    assert compiled.chains[-1] == 16  # 20 rows on the graphs' slope: 14 ms
-    assert tuner.interpolated(verify, 20) == pytest.approx(0.0365) and tuner.interpolated(verify, 32) > 0.060
+    assert compiled.chains[-1] == 4  # 12 rows run the 16-row graph: between 8 and 16 rows' times, 20.5 ms
+    monkeypatch.setattr(model.base, "compiled", graphs(1, 4, 8))
+    assert set(tuner.tune(model, accept, context=runs_long).chains) == {4}  # 8 rows the most timed: 4 + 4
+    assert tuner.interpolated(verify, 20) == pytest.approx(0.045) and tuner.interpolated(verify, 32) > 0.060
 
 
 def test_the_context_profile_tool_measures_every_bucket_on_greedy_rounds(model):
@@ -208,6 +211,33 @@ def test_the_context_profile_tool_measures_every_bucket_on_greedy_rounds(model):
     assert len(profile["share"]) == len(BUCKETS) and 0 < sum(profile["share"]) <= 1
     copied = [s for s in profile["survival"] if s]
     assert copied and all(1 >= a >= b >= 0 for s in copied for a, b in zip(s, s[1:] + [0]))
+
+
+def test_the_context_profile_is_measured_on_prompts_that_hold_no_benchmark_prompt(monkeypatch):
+    """The benchmarks measure what the profile tunes (the chains' sizes): its default prompts are ShareGPT openings
+    with every conversation that holds an MT-bench or repetitive-set prompt dropped."""
+    from eagle.evaluation.context_profile import sharegpt_openings
+    from eagle.evaluation.questions import load_mtbench_questions, load_repetitive_questions
+    from eagle.train import sharegpt
+
+    mtbench, repetitive = load_mtbench_questions()[7]["turns"][0], load_repetitive_questions()[3]["turns"][0]
+    chats = ["How do I keep basil alive on a windowsill?", mtbench, "Write a haiku about rain.", repetitive]
+    records = [{"id": str(i), "messages": [{"role": "user", "content": c}, {"role": "assistant", "content": "ok"}]}
+               for i, c in enumerate(chats)]  # fmt: skip
+    monkeypatch.setattr(sharegpt, "load_sharegpt", lambda limit=None: records[:limit])
+    openings = [q["turns"][0] for q in sharegpt_openings(count=4, skip=0)]
+    assert openings == [chats[0], chats[2]]
+
+
+def test_the_shipped_head_carries_a_context_profile_measured_off_the_benchmarks():
+    from eagle.chat.model_types import DEFAULT_HEAD_DIR
+    from eagle.model.checkpoint import read_context_profile
+
+    profile = read_context_profile(str(DEFAULT_HEAD_DIR))
+    assert set(profile["prompts"]) == {"sharegpt"} and profile["rounds"] >= 1000
+    assert all(1 >= a >= b >= 0 for s in profile["survival"] for a, b in zip(s, s[1:]))
+    chains = pick_chains(profile, **CHEAP_ROWS)
+    assert len(chains) == len(BUCKETS) and set(chains) <= set(CHAINS)
 
 
 def test_compiled_rounds_with_context_drafts_give_the_eager_rounds(tmp_path, monkeypatch):

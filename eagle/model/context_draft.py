@@ -13,7 +13,7 @@ does not pay is still tried every `EXPLORE` rounds, so that what it earns stays 
 
 How many nodes a chain gets (M) is chosen per bucket and machine when the tree is tuned (`pick_chains`), among at
 most two sizes (each a verify graph to compile): from the measured verify costs of n + M rows and a profile of how
-far copies are accepted per bucket (`ContextStats.profile`, measured over question sets by
+far copies are accepted per bucket (`ContextStats.profile`, measured over ShareGPT openings by
 eagle/evaluation/context_profile.py and shipped beside the head as context_profile.json).
 """
 
@@ -95,7 +95,7 @@ class ContextStats:
     def profile(self) -> dict:
         """What chains were accepted, per bucket: `share` of all rounds whose sequence end matched in the bucket,
         and `survival[k - 1]`, the share of offered chains with at least k context tokens accepted (the format of
-        context_profile.json, read by `pick_chain`)."""
+        context_profile.json, read by `pick_chains`)."""
         rounds = max(self.rounds, 1)
         return {
             "buckets": list(BUCKETS),
@@ -121,7 +121,8 @@ def pick_chains(profile: dict, tau: float, round_seconds: float, extra_seconds: 
     for n in range(1, sizes + 1):
         for chosen in itertools.combinations(sorted(candidates), n):
             per_bucket = tuple(max(chosen, key=lambda m: (gains[m][b], -m)) for b in range(len(BUCKETS)))
-            value = sum(share * max(gains[m][b], 0.0) for b, (share, m) in enumerate(zip(profile["share"], per_bucket)))
+            value = sum(share * max(gains[m][b], 0.0)
+                        for b, (share, m) in enumerate(zip(profile["share"], per_bucket)))  # fmt: skip
             rank = (value, -n, -sum(chosen))
             if best is None or rank > best[0]:
                 best = (rank, per_bucket)

@@ -32,7 +32,7 @@ from .verify import SamplingParams, TokenPicker
 # End-of-turn tokens of common chat templates; those present in the vocabulary stop generation.
 END_OF_TURN_TOKENS = ("<|eot_id|>", "<|im_end|>", "<|end_of_text|>", "<|endoftext|>", "</s>", "<|end|>", "<|eom_id|>")
 AUTO_TREE_SIZES = (4, 8, 12, 16, 24, 32, 40, 48, 60)
-CONTEXT_CHAIN = 8  # nodes a context draft adds to a round's tree (context_drafts=True)
+CONTEXT_CHAIN = 8  # nodes a context draft adds to a round's tree (context_drafts=True) where no profile tunes them
 
 
 def stop_token_ids(tokenizer=None, *configs) -> set[int]:
@@ -80,7 +80,7 @@ class EaModel(nn.Module):
         self.acceptance: list[list[float]] | None = None  # the head's acceptance profile, when the tree is tuned
         # M per match bucket (context_draft.BUCKETS); tuned with the tree where a context profile is known
         self.context_chains: tuple[int, ...] = (CONTEXT_CHAIN,) * len(BUCKETS)
-        self.context_profile: dict | None = None  # how far copies are accepted (context_draft.pick_chain)
+        self.context_profile: dict | None = None  # how far copies are accepted (context_draft.pick_chains)
         self.context_stats = ContextStats()  # what context drafts earned here, across generations (context_draft.py)
 
     # ---------------------------------------------------------------------------------------------------------
@@ -149,7 +149,7 @@ class EaModel(nn.Module):
     def tune_tree(self, log=None) -> None:
         """Pick the tree that measures fastest here with the forwards in use now (tuner.py); needs the head's
         acceptance profile (`self.acceptance`, read at load with total_token=-1). With a context profile
-        (`self.context_profile`) the context chain's size is picked on the same costs."""
+        (`self.context_profile`) the context chains' sizes are picked on the same costs."""
         self.tree_choice = c = tune(self, self.acceptance, log, self.context_profile)
         self.tree = TreeSpec(c.total_token, c.depth, c.top_k, None)
         if c.chains:

@@ -210,9 +210,11 @@ def greedy_tree_rounds(
         draft_cache.length = start = start + n
         verdict = runner.verify(cache, committed, tree, context.propose() if context is not None else None)
         packet = verdict.packet.tolist()  # the round's one host read
-        n, root_id, from_context = packet[0], packet[depth + 1], packet[depth + 2]  # n: the path's nodes, root included
+        n, root_id, from_context = packet[0], packet[depth + 1], packet[depth + 2]  # n: path nodes, root included
         path = packet[depth + 3 : depth + 3 + n]
-        cache.compact([committed + i for i in path], committed)  # the path's rows stay (in place already: no copy)
+        # the path's rows stay (none copied where in place already); outside the verify graph, which would copy
+        # every layer's whole buffer to rewrite the cache it has just written
+        cache.compact([committed + i for i in path], committed)
         new_tokens = packet[1:n] + [root_id]
         tokens, stop = budget.take(new_tokens)
         accepted, seconds = min(n - 1, len(tokens)), time.perf_counter() - t0

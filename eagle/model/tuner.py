@@ -23,7 +23,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from .context_draft import pick_chains
+from .context_draft import CHAINS, pick_chains
 from .timing import repeated_seconds
 
 SIZES = (4, 6, 8, 12, 16, 24, 32, 40, 48, 60)
@@ -448,7 +448,7 @@ def tune(model, accept: list[list[float]], log=None, context: dict | None = None
     compiling left draft heads in two dtypes (`model.draft_options`), the tree and the dtype together, on the same
     verify costs: the pick's head and graphs become the model's. With a context profile (context_draft.py), also
     the context chains' sizes for that tree on the same verify costs (those of passes timed at their own rows:
-    with compiled forwards, the graphs' rows; the rest pad to a graph's or run eagerly)."""
+    with compiled forwards, the graphs' rows; the rest pad to a graph's or run eagerly), up to the most rows timed."""
     widest = len(accept[0])
     options = model.draft_options or [(model.ea_layer, model.compiled_draft)]
     verify = verify_costs(model, log)
@@ -464,7 +464,9 @@ def tune(model, accept: list[list[float]], log=None, context: dict | None = None
         n, compiled = choice.total_token, model.base.compiled
         exact = {rows: s for rows, s in verify.items() if compiled is None or compiled.bucket(rows) == rows}
         exact = exact if len(exact) > 1 else verify
+        # no size past the rows timed (a kernel may change there: the panel kernel stops at 16 rows)
+        sizes = tuple(m for m in CHAINS if n + m <= max(exact)) or CHAINS[:1]
         chains = pick_chains(context, choice.tau, choice.seconds,
-                             lambda m: interpolated(exact, n + m) - interpolated(exact, n))  # fmt: skip
+                             lambda m: interpolated(exact, n + m) - interpolated(exact, n), sizes)  # fmt: skip
         choice = replace(choice, chains=chains)
     return choice
