@@ -196,6 +196,8 @@ def test_the_tuned_tree_carries_chains_picked_on_the_costs_of_passes_timed_at_th
     assert compiled.chains[-1] == 4  # 12 rows run the 16-row graph: between 8 and 16 rows' times, 20.5 ms
     monkeypatch.setattr(model.base, "compiled", graphs(1, 4, 8))
     assert set(tuner.tune(model, accept, context=runs_long).chains) == {4}  # 8 rows the most timed: 4 + 4
+    monkeypatch.setattr(tuner.few_rows, "reads_gguf_blocks", lambda model: True)  # one kernel at every row count
+    assert tuner.tune(model, accept, context=runs_long).chains[-1] > 4
     assert tuner.interpolated(verify, 20) == pytest.approx(0.045) and tuner.interpolated(verify, 32) > 0.060
 
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from . import few_rows
 from .context_draft import CHAINS, pick_chains
 from .timing import repeated_seconds
 
@@ -128,8 +129,6 @@ def compiled_options() -> str:
 
 def _cache_key(model, head: bool = True) -> str:
     """The machine, the base and how its forwards run; with `head`, the draft head and how its steps run too."""
-    from . import few_rows
-
     base = model.base_model
     device = str(model.base.lm_head.weight.device)
     what = {
@@ -235,7 +234,6 @@ def few_row_plan(model, log=None) -> dict[int, str]:
     machines are noisy; the fastest round counts). Timed once per machine + model, cached. The kernels' rank
     differs between CPUs (W @ x^T won a 1-row step on an AMD EPYC and lost on an Intel Xeon), so the plan is a
     measurement, never a CPU flag."""
-    from . import few_rows
 
     base = model.base_model
     path = _cache_path(model, "-few-row-plan")
@@ -338,7 +336,6 @@ QUANTIZED_HEAD_MIN_BYTES = 8 << 20
 def quantized_head_pays(base_dtype: torch.dtype, head) -> bool:
     """Whether a float32 copy of `head` with Q8_0 weights (few_rows.quantize) may draft faster: under a float32 base
     on CPU, where the panel kernel runs, for a head whose float32 weights outgrow the caches."""
-    from . import few_rows
 
     float32_bytes = 4 * sum(p.numel() for p in head.parameters())
     return (base_dtype == torch.float32 and head.fc.weight.device.type == "cpu"
@@ -352,7 +349,7 @@ def _compiled_drafts(model, log) -> list[tuple]:
     compile is left out, with one line in `log`."""
     import copy
 
-    from . import few_rows, quant_panels
+    from . import quant_panels
 
     heads = [model.ea_layer]
     if model.ea_layer.fc.weight.dtype != model.base.dtype:
@@ -448,7 +445,8 @@ def tune(model, accept: list[list[float]], log=None, context: dict | None = None
     compiling left draft heads in two dtypes (`model.draft_options`), the tree and the dtype together, on the same
     verify costs: the pick's head and graphs become the model's. With a context profile (context_draft.py), also
     the context chains' sizes for that tree on the same verify costs (those of passes timed at their own rows:
-    with compiled forwards, the graphs' rows; the rest pad to a graph's or run eagerly), up to the most rows timed."""
+    with compiled forwards, the graphs' rows; the rest pad to a graph's or run eagerly), for float32 linears up to
+    the most rows timed."""
     widest = len(accept[0])
     options = model.draft_options or [(model.ea_layer, model.compiled_draft)]
     verify = verify_costs(model, log)
@@ -464,8 +462,10 @@ def tune(model, accept: list[list[float]], log=None, context: dict | None = None
         n, compiled = choice.total_token, model.base.compiled
         exact = {rows: s for rows, s in verify.items() if compiled is None or compiled.bucket(rows) == rows}
         exact = exact if len(exact) > 1 else verify
-        # no size past the rows timed (a kernel may change there: the panel kernel stops at 16 rows)
-        sizes = tuple(m for m in CHAINS if n + m <= max(exact)) or CHAINS[:1]
+        # float32 linears: no size past the rows timed (the panel kernel stops at 16 rows, then a GEMM); GGUF blocks
+        # run one kernel at every row count, so their costs extend past them
+        most = None if few_rows.reads_gguf_blocks(model.base_model) else max(exact)
+        sizes = tuple(m for m in CHAINS if most is None or n + m <= most) or CHAINS[:1]
         chains = pick_chains(context, choice.tau, choice.seconds,
                              lambda m: interpolated(exact, n + m) - interpolated(exact, n), sizes)  # fmt: skip
         choice = replace(choice, chains=chains)
