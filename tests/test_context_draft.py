@@ -166,7 +166,7 @@ def test_each_match_length_gets_its_own_chain_size_among_two_at_most():
 
 
 def test_a_profile_of_other_buckets_is_refused_with_the_command_that_measures_it_again():
-    with pytest.raises(ValueError, match="eagle.evaluation.context_profile"):
+    with pytest.raises(ValueError, match="eagle.train.context_profile"):
         pick_chains({"buckets": [1, 2], "share": [0, 0], "survival": [[], []]}, 2.0, 0.01, lambda m: 0.0)
 
 
@@ -202,7 +202,7 @@ def test_the_tuned_tree_carries_chains_picked_on_the_costs_of_passes_timed_at_th
 
 
 def test_the_context_profile_tool_measures_every_bucket_on_greedy_rounds(model):
-    from eagle.evaluation.context_profile import measure
+    from eagle.train.context_profile import measure
 
     chain = model.context_chain
     try:
@@ -218,7 +218,7 @@ def test_the_context_profile_tool_measures_every_bucket_on_greedy_rounds(model):
 def test_the_context_profile_is_measured_on_prompts_that_hold_no_benchmark_prompt(monkeypatch):
     """The benchmarks measure what the profile tunes (the chains' sizes): its default prompts are ShareGPT openings
     with every conversation that holds an MT-bench or repetitive-set prompt dropped."""
-    from eagle.evaluation.context_profile import sharegpt_openings
+    from eagle.train.context_profile import sharegpt_openings
     from eagle.evaluation.questions import load_mtbench_questions, load_repetitive_questions
     from eagle.train import sharegpt
 
@@ -227,8 +227,7 @@ def test_the_context_profile_is_measured_on_prompts_that_hold_no_benchmark_promp
     records = [{"id": str(i), "messages": [{"role": "user", "content": c}, {"role": "assistant", "content": "ok"}]}
                for i, c in enumerate(chats)]  # fmt: skip
     monkeypatch.setattr(sharegpt, "load_sharegpt", lambda limit=None: records[:limit])
-    openings = [q["turns"][0] for q in sharegpt_openings(count=4, skip=0)]
-    assert openings == [chats[0], chats[2]]
+    assert sharegpt_openings(count=4, skip=0) == [chats[0], chats[2]]
 
 
 def test_the_shipped_head_carries_a_context_profile_measured_off_the_benchmarks():

@@ -30,7 +30,7 @@ from .prompts import build_prompts
 
 PHASES = [
     ("draft_step", "the round's draft step: commit, tree levels, selection (round_steps.py)"),
-    ("verify_step", "the round's verify step: base pass, acceptance, KV compaction (round_steps.py)"),
+    ("verify_step", "the round's verify step: base pass, acceptance (round_steps.py)"),
     ("verify", "base verify forward: decoder over the tree"),
     ("verify_lm_head", "base verify forward: lm_head over all tree rows"),
     ("draft_forward", "draft tree: head forwards (one per level)"),

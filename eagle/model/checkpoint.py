@@ -81,7 +81,7 @@ def read_checkpoint(path: str) -> tuple[dict, dict[str, torch.Tensor]]:
 
 def read_context_profile(path: str) -> dict | None:
     """How far copies of earlier text are accepted for this head's base (`context_profile.json` beside the head,
-    written by eagle/evaluation/context_profile.py; see context_draft.pick_chain), or None."""
+    written by eagle/train/context_profile.py; see context_draft.pick_chain), or None."""
     found = _resolve(path, "context_profile.json")
     if found is None:
         return None
@@ -89,7 +89,7 @@ def read_context_profile(path: str) -> dict | None:
         profile = json.load(f)
     if not all(isinstance(profile.get(key), list) for key in ("buckets", "share", "survival")):
         raise CheckpointError(f"{found}: expected lists 'buckets', 'share' and 'survival' "
-                              "(python -m eagle.evaluation.context_profile writes it)")  # fmt: skip
+                              "(python -m eagle.train.context_profile writes it)")  # fmt: skip
     return profile
 
 

@@ -14,7 +14,7 @@ does not pay is still tried every `EXPLORE` rounds, so that what it earns stays 
 How many nodes a chain gets (M) is chosen per bucket and machine when the tree is tuned (`pick_chains`), among at
 most two sizes (each a verify graph to compile): from the measured verify costs of n + M rows and a profile of how
 far copies are accepted per bucket (`ContextStats.profile`, measured over ShareGPT openings by
-eagle/evaluation/context_profile.py and shipped beside the head as context_profile.json).
+eagle/train/context_profile.py and shipped beside the head as context_profile.json).
 """
 
 from __future__ import annotations
@@ -114,7 +114,7 @@ def pick_chains(profile: dict, tau: float, round_seconds: float, extra_seconds: 
     (`ContextStats.pays`), so it counts as no change; buckets weigh by their share of rounds. Ties: fewer, shorter."""
     if list(profile.get("buckets", ())) != list(BUCKETS):
         raise ValueError(f"context profile: buckets {profile.get('buckets')} are not {list(BUCKETS)} "
-                         "(measure it again: python -m eagle.evaluation.context_profile)")  # fmt: skip
+                         "(measure it again: python -m eagle.train.context_profile)")  # fmt: skip
     gains = {m: [(tau + sum(survival[:m])) / (round_seconds + extra_seconds(m)) * round_seconds / tau - 1.0
                  for survival in profile["survival"]] for m in candidates}  # fmt: skip
     best = None
