@@ -81,7 +81,7 @@ def read_checkpoint(path: str) -> tuple[dict, dict[str, torch.Tensor]]:
 
 def read_context_profile(path: str) -> dict | None:
     """How far copies of earlier text are accepted for this head's base (`context_profile.json` beside the head,
-    written by eagle/train/context_profile.py; see context_draft.pick_chain), or None."""
+    written by eagle/train/context_profile.py; see context_draft.pick_chains), or None."""
     found = _resolve(path, "context_profile.json")
     if found is None:
         return None

@@ -39,7 +39,8 @@ constexpr float BLOCKED = -1e30f;  // an additive mask value at or below this hi
 static inline vec loadu(const float* p) { return *reinterpret_cast<const vec_u*>(p); }
 static inline void storeu(float* p, vec a) { *reinterpret_cast<vec_u*>(p) = a; }
 static inline vec splat(float a) { return vec{} + a; }
-// a * b + c rounded once (the build has no -ffp-contract: a * b + c written out rounds twice)
+// a * b + c rounded once, spelled out so that a key's score has the same bits in a block and in the tail whatever
+// the compiler contracts
 static inline vec fmadd(vec a, vec b, vec c) {
 #if defined(__AVX512F__)
   return (vec)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
