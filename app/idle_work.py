@@ -19,7 +19,7 @@ import json
 import os
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Iterator
 
 REFERENCE_PROMPTS = (
@@ -250,7 +250,7 @@ def compiled_rounds(engine, child, spec, mode: str, log) -> Iterator[str | Loadi
     model.base.compiled, model.ea_layer, model.compiled_draft = base_graphs, head, draft_graphs
     if tree is not None:
         model.tree, model.tree_choice, model.context_chains = tree
-    came = _put_in_use(engine, steps, log)
+    came = _said(_put_in_use(engine, steps), log)
     engine.compiled_in_use()
     log("compiled rounds in use")
     if came:
@@ -258,32 +258,20 @@ def compiled_rounds(engine, child, spec, mode: str, log) -> Iterator[str | Loadi
 
 
 def compiled_round_steps(engine, spec, log) -> Iterator[str | Loading | Wait]:
-    """With compiled forwards in use: the round's two steps for the tree in use, then (only once they are in) the same
-    round with a context chain."""
-    if (yield from two_step_rounds(engine, spec, log)):
+    """With compiled forwards in use: the greedy round's draft and verify steps, one graph each for the tree in use
+    (round_graphs.py), compiled by a child (the same low priority, stopped while the model works), loaded a graph a
+    unit and put in use; then (only once they are in) the same round with context chains. If they fail, rounds go
+    on with the forwards' graphs, said in the log."""
+    model = engine.model
+    if not _serves_round_steps(model):
+        return
+    steps = yield from _load_round_steps(engine, spec, model.ea_layer, model.tree, (), log)
+    if _said(_put_in_use(engine, steps), log):
         yield from context_rounds(engine, spec, log)
 
 
-def two_step_rounds(engine, spec, log) -> Iterator[str | Loading | Wait]:
-    """With compiled forwards in use: the greedy round's draft and verify steps, one graph each for the tree in use
-    (round_graphs.py), compiled by a child (the same low priority, stopped while the model works), loaded a graph a
-    unit and put in use. If they fail, rounds go on with the forwards' graphs, said in the log. Returns whether
-    they came in."""
-    came = yield from _round_steps(engine, spec, chains=(), log=log)
-    return _said(came, log)
-
-
-def _put_in_use(engine, steps, log) -> bool:
-    """`steps` from `_load_round_steps` (the two-step round for the tree now in use) put in use; whether they were."""
-    model = engine.model
-    if steps is not None and not isinstance(steps, str) and model.shape_of(model.tree) == steps.shape:
-        model.compiled_rounds[steps.shape] = steps
-        engine.info.update(engine.describe(model))
-        steps = True
-    return _said(steps, log)
-
-
 def _said(came, log) -> bool:
+    """The log's line on the two-step round's graphs (`_put_in_use`'s answer); whether they came in."""
     if came is True:
         log("rounds in two compiled steps in use (draft, verify)")
     elif came:
@@ -292,11 +280,16 @@ def _said(came, log) -> bool:
 
 
 def context_rounds(engine, spec, log) -> Iterator[str | Loading | Wait]:
-    """After `two_step_rounds`: the same tree's round with context chains (`model.context_chains`' sizes: draft,
+    """After the two-step round: the same tree's round with context chains (`model.context_chains`' sizes: draft,
     verify, and verify with a chain of each size), compiled by a child and brought in the same way. Until it is in,
     replies on compiled rounds go without context drafts (`Engine.context_drafts_served`), so that none leaves the
     compiled graphs for them; if it fails they stay without, said in the log. Returns whether it came in."""
-    came = yield from _round_steps(engine, spec, chains=tuple(sorted(set(engine.model.context_chains))), log=log)
+    model = engine.model
+    if not _serves_round_steps(model):
+        return False
+    chains = tuple(sorted(set(model.context_chains)))
+    rounds = yield from _load_round_steps(engine, spec, model.ea_layer, model.tree, chains, log)
+    came = _put_in_use(engine, rounds)
     if came is True:
         engine.describe_context()
         log("rounds with context drafts in compiled steps in use (draft, verify, verify with a chain)")
@@ -305,19 +298,21 @@ def context_rounds(engine, spec, log) -> Iterator[str | Loading | Wait]:
     return came is True
 
 
-def _round_steps(engine, spec, chains: tuple[int, ...], log) -> Iterator[str | Loading | Wait]:
-    """The greedy round's compiled steps for the tree in use with context chains of the sizes `chains` (): a child
-    compiles them (unless a manifest says they are compiled already), they are loaded a graph a unit and put in
-    `model.compiled_rounds`. Returns True when they came in, the child's error (a string) when compiling failed,
-    None when there was nothing to do (a static tree, eager forwards or CUDA graphs) or the head or the tree changed
-    meanwhile."""
-    model, tree, head = engine.model, engine.model.tree, engine.model.ea_layer
-    if model.base.compiled is None or hasattr(model.base.compiled, "lease"):
-        return None
-    rounds = yield from _load_round_steps(engine, spec, head, tree, chains, log)
+def _serves_round_steps(model) -> bool:
+    """Whether the forwards in use are CPU graphs, beside which a round's compiled steps run (not eager forwards,
+    not CUDA graphs, which run their own rounds)."""
+    return model.base.compiled is not None and not hasattr(model.base.compiled, "lease")
+
+
+def _put_in_use(engine, rounds):
+    """`rounds` from `_load_round_steps` put in `model.compiled_rounds` where they still serve the model (its head,
+    its tree's shape and chains unchanged meanwhile). Returns True when put in use, else what `_load_round_steps`
+    returned (the child's error, or None), or None where they no longer serve."""
+    model = engine.model
     if rounds is None or isinstance(rounds, str):
         return rounds
-    if model.ea_layer is not head or model.tree != tree or (chains and set(model.context_chains) != set(chains)):
+    chained = replace(model.tree, chain=rounds.shape.chain)  # model.shape_of adds the chains' sizes
+    if rounds.step.head is not model.ea_layer or model.shape_of(chained) != rounds.shape:
         return None  # the head, the tree or the chains changed meanwhile: these graphs serve none of them
     model.compiled_rounds[rounds.shape] = rounds
     engine.info.update(engine.describe(model))
@@ -328,8 +323,6 @@ def _load_round_steps(engine, spec, head, tree, chains: tuple[int, ...], log) ->
     """The CompiledRound of `head` for `tree` with context chains of the sizes `chains` (): a child compiles its
     graphs (unless a manifest says they are compiled already), loaded here a graph a unit. Returns it, not in use;
     the child's error (a string) when compiling failed; None for a static tree."""
-    from dataclasses import replace
-
     from .precompile import ROUND_STEPS, ChildCompile, compiled_before, graph_name, round_graphs
 
     if tree.choices:
