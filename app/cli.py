@@ -42,9 +42,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--weights", default="auto", choices=WEIGHTS,
                    help="the base's weights on CPU: auto (default) = q4_1 for the embedded default converted from its "
                    "GGUF, else fp32; q4_1 = the GGUF's own 4-bit blocks (and its 8-bit embedding) read by the panel "
-                   "kernel, inputs rounded to 16 bits: vanilla and EAGLE both about twice as fast as at fp32, "
-                   "EAGLE's lead over vanilla smaller there (BENCHMARKS.md); fp32 = the blocks dequantized (the "
-                   "Model panel says which)")  # fmt: skip
+                   "kernel, inputs rounded to 8 bits a block as llama.cpp does: vanilla and EAGLE both about 3x as "
+                   "fast as at fp32, EAGLE's lead over vanilla smaller there (BENCHMARKS.md); fp32 = the blocks "
+                   "dequantized (the Model panel says which)")  # fmt: skip
     p.add_argument("--device-map", default=None, help="transformers device_map (default: auto on GPU, cpu)")
     p.add_argument("--compile", default="auto", choices=COMPILE_MODES,
                    help="compiled rounds (CPU: inductor; CUDA: CUDA graphs), prepared in the background while the "

@@ -22,15 +22,17 @@ def random_blocks(qtype: int, n: int, k: int, seed: int = 0) -> torch.Tensor:
     return b.reshape(n, -1)
 
 
-def error_bound(x: torch.Tensor, qtype: int, blocks: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def error_bound(x: torch.Tensor, qtype: int, blocks: torch.Tensor, bias: torch.Tensor | None,
+                input_bits: int | None = None) -> torch.Tensor:
     """How far the quantized kernel's out[..., j] may be from the exact x . w_j (+ bias_j), w the blocks dequantized:
-    each input is rounded to int16 against its block's largest magnitude, an error of at most s / 2 (1 + 2^-8) with
-    s = max |x| / 32767, weighted by |w|; then float32 sums of K products and (Q4_1) of the block sums times the
-    minimums, 2 K u each, u = 2^-24."""
+    each input is rounded to `input_bits` (default: quant_panels.INPUT_BITS[qtype]) against its block's largest
+    magnitude, an error of at most s / 2 (1 + 2^-8) with s = max |x| / L (L = 32767 for 16 bits, 127 for 8), weighted
+    by |w|; then float32 sums of K products and (Q4_1) of the block sums times the minimums, 2 K u each, u = 2^-24."""
     k = x.shape[-1]
     w = quant_panels.dequantize(qtype, blocks)  # [N, K]
     xb = x.reshape(*x.shape[:-1], k // 32, 32)
-    s = (xb.abs().amax(-1, keepdim=True) / 32767).expand_as(xb).reshape(x.shape)  # [..., K]
+    levels = 2 ** ((input_bits or quant_panels.INPUT_BITS[qtype]) - 1) - 1
+    s = (xb.abs().amax(-1, keepdim=True) / levels).expand_as(xb).reshape(x.shape)  # [..., K]
     rounding = (0.5 * (1 + 2.0**-8) * s) @ w.abs().T
     _, m, _ = quant_panels._split(qtype, blocks)
     minimums = 0 if m is None else x.abs() @ m.float().abs().repeat_interleave(32, dim=1).T

@@ -1,6 +1,6 @@
 """The panel kernel on GGUF blocks (eagle/model/quant_panels.py, quant_linear.cpp): Q4_1 and Q8_0 weights as
-gguf-py stores them multiplied as integers by the inputs rounded to 16 bits a block, within the stated bound of
-F.linear on the dequantized weights, and each row independent of the others."""
+gguf-py stores them multiplied as integers by the inputs rounded to 16 or (Q4_1) 8 bits a block, within the stated
+bound of F.linear on the dequantized weights, and each row independent of the others."""
 
 import os
 import platform
@@ -20,6 +20,7 @@ needs_kernel = pytest.mark.skipif(
     not panel_kernel.available(), reason=f"panel kernel: {panel_kernel._state.get('why')}"
 )
 QTYPES = [Q4_1, Q8_0]
+ROUNDINGS = [(Q4_1, 8), (Q4_1, 16), (Q8_0, 16)]  # (weights, input bits): every arithmetic the kernel has
 
 
 @pytest.mark.parametrize("qtype", QTYPES)
@@ -30,10 +31,10 @@ def test_dequantize_equals_gguf_py_bit_for_bit(qtype):
 
 
 @needs_kernel
-@pytest.mark.parametrize("qtype", QTYPES)
+@pytest.mark.parametrize("qtype, bits", ROUNDINGS)
 @pytest.mark.parametrize("n, k", [(1, 32), (31, 64), (32, 64), (33, 96), (3 * 32 + 5, 576)])
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9, 16])
-def test_quant_panel_linear_is_f_linear_on_the_dequantized_weight(qtype, n, k, rows):
+def test_quant_panel_linear_is_f_linear_on_the_dequantized_weight(qtype, bits, n, k, rows):
     blocks = random_blocks(qtype, n, k, seed=n * 100 + rows)
     w = quant_panels.dequantize(qtype, blocks)  # [n, k]
     panels = quant_panels.pack(qtype, blocks)
@@ -41,25 +42,44 @@ def test_quant_panel_linear_is_f_linear_on_the_dequantized_weight(qtype, n, k, r
     assert panels.shape == (-(-n // nb), k // 32 * quant_panels.BLOCK_BYTES[qtype] * nb)
     x, b = torch.randn(2, rows, k), torch.randn(n)
     for bias in (None, b):
-        out = quant_panels.linear(x, panels, bias, n, qtype)
+        out = quant_panels.linear(x, panels, bias, n, qtype, bits)
         assert out.shape == (2, rows, n) and out.is_contiguous()
         ref = torch.nn.functional.linear(x.double(), w.double(), None if bias is None else bias.double())
-        assert ((out - ref).abs() <= error_bound(x, qtype, blocks, bias)).all()
+        assert ((out - ref).abs() <= error_bound(x, qtype, blocks, bias, bits)).all()
 
 
 @needs_kernel
-@pytest.mark.parametrize("qtype", QTYPES)
-def test_a_row_alone_equals_the_same_row_among_8_or_16(qtype):
+def test_8_bit_inputs_round_each_input_as_stated():
+    """With 8-bit inputs the kernel multiplies round(x * 127 / max |x|) of each block: a weight of one 1 at column k
+    gives back exactly that input times its block's scale (the nibbles' byte order is matched by the inputs')."""
+    k = 64
+    blocks = torch.zeros(k, k // 32, 20, dtype=torch.uint8)  # [N = K, blocks, bytes]: w[j, j] = 1 (d = 1, q = 1)
+    blocks[..., 0:2] = torch.tensor([1.0], dtype=torch.float16).view(torch.uint8)
+    for j in range(k):
+        byte = 4 + (j % 32) % 16
+        blocks[j, j // 32, byte] = 1 if (j % 32) < 16 else 16
+    panels = quant_panels.pack(Q4_1, blocks.reshape(k, -1))
+    x = torch.randn(3, k)
+    xb = x.view(3, k // 32, 32)
+    amax = xb.abs().amax(-1, keepdim=True)
+    expected = (torch.round(xb * (127 / amax)) * (amax / 127)).view(3, k)  # round half to even, as the kernel
+    assert torch.allclose(quant_panels.linear(x, panels, None, k, Q4_1, 8), expected, rtol=2**-20, atol=0)
+    assert not torch.allclose(quant_panels.linear(x, panels, None, k, Q4_1, 16), expected, rtol=2**-20, atol=0)
+
+
+@needs_kernel
+@pytest.mark.parametrize("qtype, bits", ROUNDINGS)
+def test_a_row_alone_equals_the_same_row_among_8_or_16(qtype, bits):
     """Batch invariance: a verify pass's rows (tree siblings, padding) never change a row's result, bit for bit,
     so greedy EAGLE and greedy vanilla see the same logits for the same tokens."""
     n, k = 200, 192
     panels = quant_panels.pack(qtype, random_blocks(qtype, n, k))
     x = torch.randn(1, k)
-    alone = quant_panels.linear(x, panels, None, n, qtype)
+    alone = quant_panels.linear(x, panels, None, n, qtype, bits)
     for rows in (2, 4, 5, 8, 9, 16):
         others = 100 * torch.randn(rows - 1, k)
-        assert torch.equal(quant_panels.linear(torch.cat([x, others]), panels, None, n, qtype)[:1], alone)
-        assert torch.equal(quant_panels.linear(torch.cat([others, x]), panels, None, n, qtype)[-1:], alone)
+        assert torch.equal(quant_panels.linear(torch.cat([x, others]), panels, None, n, qtype, bits)[:1], alone)
+        assert torch.equal(quant_panels.linear(torch.cat([others, x]), panels, None, n, qtype, bits)[-1:], alone)
 
 
 @needs_kernel
@@ -71,6 +91,9 @@ def test_blocks_that_do_not_match_are_refused_with_the_fix():
         quant_panels.linear(torch.randn(1, 48), panels, None, 64, Q4_1)
     with pytest.raises(RuntimeError, match="Q4_1"):
         quant_panels.linear(torch.randn(1, 64), panels, None, 64, 2)
+    q8 = quant_panels.pack(Q8_0, random_blocks(Q8_0, 64, 64))
+    with pytest.raises(RuntimeError, match="input_bits 8 is not 16, or 8 with Q4_1 weights"):
+        quant_panels.linear(torch.randn(1, 64), q8, None, 64, Q8_0, 8)
 
 
 CHECK = """
@@ -80,16 +103,16 @@ from q4_fixtures import random_blocks, error_bound
 from eagle.model import quant_panels
 torch.ops.load_library(sys.argv[1])
 assert quant_panels.width() == 16, quant_panels.width()  # the AVX2 build
-for qtype in (quant_panels.Q4_1, quant_panels.Q8_0):
+for qtype, bits in ((quant_panels.Q4_1, 8), (quant_panels.Q4_1, 16), (quant_panels.Q8_0, 16)):
     for n, k in [(1, 32), (15, 64), (16, 64), (17, 96), (200, 576)]:
         blocks = random_blocks(qtype, n, k)
         w, panels = quant_panels.dequantize(qtype, blocks), quant_panels.pack(qtype, blocks)
         for rows in (1, 2, 3, 4, 5, 8, 13, 16):
             x, b = torch.randn(rows, k), torch.randn(n)
-            out = quant_panels.linear(x, panels, b, n, qtype)
+            out = quant_panels.linear(x, panels, b, n, qtype, bits)
             ref = torch.nn.functional.linear(x.double(), w.double(), b.double())
-            assert ((out - ref).abs() <= error_bound(x, qtype, blocks, b)).all()
-            assert torch.equal(quant_panels.linear(x[-1:], panels, b, n, qtype), out[-1:])
+            assert ((out - ref).abs() <= error_bound(x, qtype, blocks, b, bits)).all()
+            assert torch.equal(quant_panels.linear(x[-1:], panels, b, n, qtype, bits), out[-1:])
 q, k, v = torch.randn(1, 4, 3, 40), torch.randn(1, 2, 30, 40), torch.randn(1, 2, 30, 40)  # row_attention.cpp
 causal = torch.ones(3, 30, dtype=torch.bool).tril(27)
 ref = torch.nn.functional.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1),
@@ -100,11 +123,13 @@ assert (torch.ops.eagle.row_attention(q, k, v, None, 40**-0.5) - ref).abs().max(
 
 @needs_kernel
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="-mno-avx512f is an x86 flag")
-def test_the_avx2_build_computes_the_same(tmp_path):
+@pytest.mark.parametrize("flags", [("-mno-avx512f",), ("-mno-avx512f", "-mno-avxvnni")], ids=["avx2", "avx2-no-vnni"])
+def test_the_avx2_build_computes_the_same(tmp_path, flags):
     """The AVX2 code (CI machines without AVX-512) built and checked here too, in a process of its own (the
-    attention of row_attention.cpp too)."""
+    attention of row_attention.cpp too); without AVX-VNNI too (a Zen 3: the integer dot products by vpmaddubsw and
+    vpmaddwd)."""
     library = tmp_path / "panel_linear_avx2.so"
-    subprocess.run(panel_kernel.build_command(panel_kernel._compiler(), library, ("-mno-avx512f",)), check=True)
+    subprocess.run(panel_kernel.build_command(panel_kernel._compiler(), library, flags), check=True)
     root, tests = str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)
     subprocess.run([sys.executable, "-c", CHECK, str(library), tests], check=True, timeout=120,
                    env={**os.environ, "PYTHONPATH": root})  # fmt: skip

@@ -138,7 +138,7 @@ def _panel_linear_shape(x, panels, bias, out_features):
     return x.new_empty(*x.shape[:-1], out_features)
 
 
-def _quant_panel_linear_shape(x, panels, bias, out_features, qtype):
+def _quant_panel_linear_shape(x, panels, bias, out_features, qtype, input_bits=16):
     return x.new_empty(*x.shape[:-1], out_features)
 
 

@@ -4,7 +4,7 @@ A base folder converted from a GGUF (eagle/default_model.py) names its GGUF in c
 `few_rows.install` then gives each linear layer whose weight the file keeps as Q4_1 or Q8_0 those blocks
 (`blocks_for`), and its panel copy is made of them. Invariant, checked here for every layer: the blocks dequantize
 (as gguf-py does) to exactly the layer's float32 weight, so both copies hold the same weights (the quantized kernel
-rounds the inputs to 16 bits a block: quant_linear.cpp). A layer whose weight the file keeps in another type (F32,
+rounds the inputs to 8 or 16 bits a block: quant_linear.cpp). A layer whose weight the file keeps in another type (F32,
 a K-quant) keeps float32 panels.
 """
 

@@ -1,24 +1,28 @@
-// eagle::quant_panel_linear(x, panels, bias, out_features, qtype): out[..., N] = x[..., K] . W[N, K]^T (+ bias) in
-// float32, for the 1 to 16 rows of a decode step or a tree verification, with W kept in its GGUF blocks (Q4_1 or
-// Q8_0, 32 weights a block) and multiplied as integers; built with panel_linear.cpp into one library
+// eagle::quant_panel_linear(x, panels, bias, out_features, qtype, input_bits): out[..., N] = x[..., K] . W[N, K]^T
+// (+ bias) in float32, for the 1 to 16 rows of a decode step or a tree verification, with W kept in its GGUF blocks
+// (Q4_1 or Q8_0, 32 weights a block) and multiplied as integers; built with panel_linear.cpp into one library
 // (eagle/model/panel_kernel.py), packed by eagle/model/quant_panels.py.
 //
-// Arithmetic, per row m and GGUF block b (32 consecutive k) of column j:
-//   the row's 32 inputs are rounded to int16 against their largest magnitude: x ~ s[m, b] * xq, |xq| <= 32767;
+// Arithmetic, per row m and GGUF block b (32 consecutive k) of column j, with L = 32767 (input_bits 16) or 127
+// (input_bits 8, Q4_1 only: llama.cpp's Q4_1 x Q8_1 product):
+//   the row's 32 inputs are rounded against their largest magnitude: x ~ s[m, b] * xq, s = max |x| / L, |xq| <= L;
 //   isum = sum_k q[k, j] * xq[m, k], exact in int32 (|isum| <= 32 * 128 * 32767 < 2^31) by 16-bit dot products
-//   (vpdpwssd, or vpmaddwd + vpaddd), two k a lane;
-//   Q4_1 (w = d * q + m): acc += (float(isum) * s[m, b]) * d[b, j], then acc += sx[m, b] * m[b, j], where sx is the
-//   float32 sum of the block's 32 inputs; Q8_0 (w = d * q): the first term only.
+//   (vpdpwssd, or vpmaddwd + vpaddd; two k a lane) or 8-bit ones (vpdpbusd, or vpmaddubsw + vpmaddwd: unsigned
+//   nibbles times signed inputs, four k a lane, |q * xq| * 2 < 2^15 so nothing saturates);
+//   Q4_1 (w = d * q + m): acc += (float(isum) * s[m, b]) * d[b, j], then acc += sx[m, b] * m[b, j], where
+//   sx = s[m, b] * (the integer sum of the block's xq), so each row is multiplied exactly as its rounded inputs
+//   s * xq (the minimum's term rounded like the rest: its rounding errors cancel against the scale's, w being
+//   centred where d * q is not); Q8_0 (w = d * q): the first term only.
 // Invariants:
-// - The weights are exactly gguf-py's (q, d and m as stored); only the inputs are rounded, to 16 bits a block
-//   (|x - s * xq| <= s / 2 * (1 + 2^-8), s = max |x| / 32767), the bound the tests hold the kernel to.
+// - The weights are exactly gguf-py's (q, d and m as stored); only the inputs are rounded, to `input_bits` a block
+//   (|x - s * xq| <= s / 2 * (1 + 2^-8)), the bound the tests hold the kernel to.
 // - A row's result depends on that row alone: the same operations in the same order whatever the number of rows
 //   and however they are tiled (batch-invariant), so a verify pass gives each row what a one-row step gives it.
 //
 // Layout of a panel (NB = 2 * VL columns, zero columns past N), block after block (K / 32 of them):
 //   Q4_1: d[NB] fp16, m[NB] fp16, then 4 groups of 8 k, each NB uint32: the word of column j holds the group's 8 q
 //         as nibbles, k + 2p in bits 4p..4p+3 and k + 2p + 1 in bits 16+4p..19+4p, so (word >> 4p) & 0x000F000F
-//         is the int16 pair (q[k + 2p], q[k + 2p + 1]);
+//         is the int16 pair (q[k + 2p], q[k + 2p + 1]), and (word >> 4h) & 0x0F0F0F0F four bytes of q (PERM8);
 //   Q8_0: d[NB] fp16, then 16 k-pairs x NB int8 pairs (q[2i][j], q[2i + 1][j]).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -37,6 +41,9 @@ namespace {
 
 constexpr int64_t Q4_1 = 3, Q8_0 = 8;  // ggml's type numbers (gguf.GGMLQuantizationType)
 constexpr int QK = 32;                 // weights per block
+// PERM8 = (0, 4, 1, 5, 2, 6, 3, 7): the order of a group's 8 inputs (8-bit) that matches the nibbles of its Q4_1
+// weight word as bytes: (word & 0x0F0F0F0F) holds q[k], q[k + 4], q[k + 1], q[k + 5] and (word >> 4) & 0x0F0F0F0F
+// q[k + 2], q[k + 6], q[k + 3], q[k + 7].
 
 #ifdef __AVX512F__
 constexpr int VL = 16;
@@ -47,10 +54,16 @@ static inline vi load(const uint8_t* p) { return _mm512_loadu_si512(p); }
 static inline vi s8pairs(const uint8_t* p) { return _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)p)); }
 static inline vi nibble_pairs(vi w, int p) { return _mm512_and_si512(_mm512_srli_epi32(w, 4 * p), _mm512_set1_epi32(0x000F000F)); }
 static inline vi bcast32(const int16_t* p) { int32_t v; std::memcpy(&v, p, 4); return _mm512_set1_epi32(v); }
+static inline vi nibbles(vi w, int p) { return _mm512_and_si512(_mm512_srli_epi32(w, 4 * p), _mm512_set1_epi32(0x0F0F0F0F)); }
+static inline vi bcast32(const int8_t* p) { int32_t v; std::memcpy(&v, p, 4); return _mm512_set1_epi32(v); }
 #ifdef __AVX512VNNI__
 static inline vi dot(vi acc, vi a, vi b) { return _mm512_dpwssd_epi32(acc, a, b); }
+static inline vi dot8(vi acc, vi u, vi s) { return _mm512_dpbusd_epi32(acc, u, s); }
 #else
 static inline vi dot(vi acc, vi a, vi b) { return _mm512_add_epi32(acc, _mm512_madd_epi16(a, b)); }
+static inline vi dot8(vi acc, vi u, vi s) {
+  return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(u, s), _mm512_set1_epi16(1)));
+}
 #endif
 static inline vi izero() { return _mm512_setzero_si512(); }
 static inline vf tofloat(vi a) { return _mm512_cvtepi32_ps(a); }
@@ -59,6 +72,31 @@ static inline vf mul(vf a, vf b) { return _mm512_mul_ps(a, b); }
 static inline vf bcast(float a) { return _mm512_set1_ps(a); }
 static inline vf zero() { return _mm512_setzero_ps(); }
 static inline void store(float* p, vf a) { _mm512_storeu_ps(p, a); }
+// A block's 32 inputs: their largest magnitude.
+static inline float block_amax(const float* xb) {
+  return _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(_mm512_loadu_ps(xb)), _mm512_abs_ps(_mm512_loadu_ps(xb + 16))));
+}
+// xb[k] * inv rounded to the nearest integer (ties to even: the default rounding mode), stored as int16, or as int8 in
+// PERM8's order; returns the sum of the 32 integers
+static inline int32_t round16(const float* xb, float inv, int16_t* out) {
+  vi sum = izero();
+  for (int h = 0; h < 2; h++) {
+    const vi q = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(xb + 16 * h), bcast(inv)));
+    _mm256_storeu_si256((__m256i*)(out + 16 * h), _mm512_cvtsepi32_epi16(q));
+    sum = _mm512_add_epi32(sum, q);
+  }
+  return _mm512_reduce_add_epi32(sum);
+}
+static inline int32_t round8(const float* xb, float inv, int8_t* out) {
+  const vi perm = _mm512_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15);  // PERM8, twice
+  vi sum = izero();
+  for (int h = 0; h < 2; h++) {
+    const vi q = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_permutexvar_ps(perm, _mm512_loadu_ps(xb + 16 * h)), bcast(inv)));
+    _mm_storeu_si128((__m128i*)(out + 16 * h), _mm512_cvtsepi32_epi8(q));
+    sum = _mm512_add_epi32(sum, q);
+  }
+  return _mm512_reduce_add_epi32(sum);
+}
 // the vectors of columns (NV) a tile of `rows` rows holds: rows x NV int32 sums in registers through a block, the
 // float32 sums touched once a block
 constexpr int nv_for(int rows) { return rows <= 2 ? 4 : 2; }
@@ -72,10 +110,16 @@ static inline vi load(const uint8_t* p) { return _mm256_loadu_si256((const __m25
 static inline vi s8pairs(const uint8_t* p) { return _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)p)); }
 static inline vi nibble_pairs(vi w, int p) { return _mm256_and_si256(_mm256_srli_epi32(w, 4 * p), _mm256_set1_epi32(0x000F000F)); }
 static inline vi bcast32(const int16_t* p) { int32_t v; std::memcpy(&v, p, 4); return _mm256_set1_epi32(v); }
+static inline vi nibbles(vi w, int p) { return _mm256_and_si256(_mm256_srli_epi32(w, 4 * p), _mm256_set1_epi32(0x0F0F0F0F)); }
+static inline vi bcast32(const int8_t* p) { int32_t v; std::memcpy(&v, p, 4); return _mm256_set1_epi32(v); }
 #ifdef __AVXVNNI__
 static inline vi dot(vi acc, vi a, vi b) { return _mm256_dpwssd_avx_epi32(acc, a, b); }
+static inline vi dot8(vi acc, vi u, vi s) { return _mm256_dpbusd_avx_epi32(acc, u, s); }
 #else
 static inline vi dot(vi acc, vi a, vi b) { return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b)); }
+static inline vi dot8(vi acc, vi u, vi s) {
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+}
 #endif
 static inline vi izero() { return _mm256_setzero_si256(); }
 static inline vf tofloat(vi a) { return _mm256_cvtepi32_ps(a); }
@@ -84,6 +128,35 @@ static inline vf mul(vf a, vf b) { return _mm256_mul_ps(a, b); }
 static inline vf bcast(float a) { return _mm256_set1_ps(a); }
 static inline vf zero() { return _mm256_setzero_ps(); }
 static inline void store(float* p, vf a) { _mm256_storeu_ps(p, a); }
+static inline float block_amax(const float* xb) {
+  const vf sign = _mm256_set1_ps(-0.f);
+  vf mx = _mm256_andnot_ps(sign, _mm256_loadu_ps(xb));
+  for (int i = 1; i < 4; i++) mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, _mm256_loadu_ps(xb + 8 * i)));
+  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  return _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+}
+static inline int32_t isum8(vi a) {  // the 8 int32 of a
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+  return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1)));
+}
+static inline int32_t round16(const float* xb, float inv, int16_t* out) {
+  vi c[4];
+  for (int i = 0; i < 4; i++) c[i] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xb + 8 * i), bcast(inv)));
+  for (int h = 0; h < 2; h++)  // packs works within 128-bit lanes: 64-bit quarters (0, 2, 1, 3) put k back in order
+    _mm256_storeu_si256((__m256i*)(out + 16 * h), _mm256_permute4x64_epi64(_mm256_packs_epi32(c[2 * h], c[2 * h + 1]), 0xD8));
+  return isum8(_mm256_add_epi32(_mm256_add_epi32(c[0], c[1]), _mm256_add_epi32(c[2], c[3])));
+}
+static inline int32_t round8(const float* xb, float inv, int8_t* out) {
+  const vi perm = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // PERM8; also the dwords' order after the packs
+  vi c[4];
+  for (int i = 0; i < 4; i++)
+    c[i] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_permutevar8x32_ps(_mm256_loadu_ps(xb + 8 * i), perm), bcast(inv)));
+  const vi b = _mm256_packs_epi16(_mm256_packs_epi32(c[0], c[1]), _mm256_packs_epi32(c[2], c[3]));
+  _mm256_storeu_si256((__m256i*)out, _mm256_permutevar8x32_epi32(b, perm));
+  return isum8(_mm256_add_epi32(_mm256_add_epi32(c[0], c[1]), _mm256_add_epi32(c[2], c[3])));
+}
 constexpr int nv_for(int rows) { return rows <= 2 ? 2 : 1; }
 constexpr int MR = 4;  // tiles of 8 rows spill the 16 registers (BENCHMARKS.md, the 4-bit section)
 #endif
@@ -93,34 +166,31 @@ constexpr int64_t block_bytes(int64_t qtype) { return qtype == Q4_1 ? 20 * NB : 
 // left one row streaming below the machine's bandwidth; a prefetch past the end never faults).
 constexpr int64_t PREFETCH = 16384;
 
-// The rows' inputs as the kernel multiplies them: xq [M, K] int16, s and (Q4_1) sx [M, K / 32] float32.
+// The rows' inputs as the kernel multiplies them: xq [M, K] int16 or int8, s and (Q4_1) sx [M, K / 32] float32.
 struct Inputs {
-  const int16_t* xq;
+  const int16_t* xq;   // 16-bit inputs, or
+  const int8_t* xq8;   // 8-bit inputs (Q4_1), each group of 8 k in the order of PERM8
   const float* s;
   const float* sx;
   int64_t K;
 };
 
-// x [M, K] float32 -> xq, s, sx (see the file's head): per row and block, s = max |x| / 32767 and
-// xq = round-to-nearest-even(x * (32767 / max |x|)), 0 where the block is 0.
-void quantize_rows(const float* x, int64_t M, int64_t K, int16_t* xq, float* s, float* sx) {
-  for (int64_t m = 0; m < M; m++)
-    for (int64_t b = 0; b < K / QK; b++) {
-      const float* xb = x + m * K + b * QK;
-      float amax = 0.f, sum = 0.f;
-      for (int k = 0; k < QK; k++) amax = std::max(amax, std::fabs(xb[k]));
-      for (int k = 0; k < QK; k++) sum += xb[k];
-      const float inv = amax > 0.f ? 32767.f / amax : 0.f;
-      for (int k = 0; k < QK; k++)
-        xq[m * K + b * QK + k] = static_cast<int16_t>(std::clamp(std::nearbyint(xb[k] * inv), -32767.f, 32767.f));
-      s[m * (K / QK) + b] = amax / 32767.f;
-      sx[m * (K / QK) + b] = sum;
-    }
+// x [M, K] float32 -> xq (int16, or int8 in PERM8's order), s, sx (see the file's head): per row and block,
+// s = max |x| / L, xq = round-to-nearest-even(x * (L / max |x|)) (0 where the block is 0), sx = s * sum(xq).
+template <int XB>
+void quantize_rows(const float* x, int64_t M, int64_t K, void* xq, float* s, float* sx) {
+  constexpr float L = XB == 16 ? 32767.f : 127.f;
+  for (int64_t i = 0; i < M * (K / QK); i++) {  // block i of all rows: at x + i * 32
+    const float amax = block_amax(x + i * QK), inv = amax > 0.f ? L / amax : 0.f;
+    const int32_t isum = XB == 16 ? round16(x + i * QK, inv, static_cast<int16_t*>(xq) + i * QK)
+                                  : round8(x + i * QK, inv, static_cast<int8_t*>(xq) + i * QK);
+    s[i] = amax / L, sx[i] = s[i] * static_cast<float>(isum);
+  }
 }
 
 // ROWS x (NV * VL) outputs of consecutive panels (panel stride `pstride` bytes) from the h0-th vector of columns
 // of the first (0 or 1); out [ROWS, ncols] (row stride ldo) from that column.
-template <int64_t QT, int ROWS, int NV>
+template <int64_t QT, int XB, int ROWS, int NV>
 void tile(const Inputs& in, const uint8_t* panel, int64_t pstride, float* out, int64_t ldo, const float* bias,
           int ncols, int h0) {
   constexpr int NP = (NV + 1) / 2;  // panels read (at h0 = 0)
@@ -139,7 +209,22 @@ void tile(const Inputs& in, const uint8_t* panel, int64_t pstride, float* out, i
     vi isum[ROWS][NV];
     for (int m = 0; m < ROWS; m++)
       for (int v = 0; v < NV; v++) isum[m][v] = izero();
-    if constexpr (QT == Q4_1) {
+    if constexpr (QT == Q4_1 && XB == 8) {
+      const int8_t* xb8 = in.xq8 + b * QK;
+#pragma GCC unroll 4
+      for (int g = 0; g < QK / 8; g++) {
+        vi w[2][NV];
+        for (int v = 0; v < NV; v++) {
+          const vi word = load(blk[v] + 4 * NB + (g * NB + col[v]) * 4);
+          w[0][v] = nibbles(word, 0), w[1][v] = nibbles(word, 1);
+        }
+#pragma GCC unroll 8
+        for (int m = 0; m < ROWS; m++) {
+          const vi x0 = bcast32(xb8 + m * K + 8 * g), x1 = bcast32(xb8 + m * K + 8 * g + 4);
+          for (int v = 0; v < NV; v++) isum[m][v] = dot8(dot8(isum[m][v], w[0][v], x0), w[1][v], x1);
+        }
+      }
+    } else if constexpr (QT == Q4_1) {
       for (int g = 0; g < QK / 8; g++) {
         vi words[NV];
         for (int v = 0; v < NV; v++) words[v] = load(blk[v] + 4 * NB + (g * NB + col[v]) * 4);
@@ -186,22 +271,22 @@ void tile(const Inputs& in, const uint8_t* panel, int64_t pstride, float* out, i
 
 using TileFn = void (*)(const Inputs&, const uint8_t*, int64_t, float*, int64_t, const float*, int, int);
 
-// tile<QT, rows, NV> for a run-time rows in 1..sizeof...(R)
-template <int64_t QT, int NV, int... R>
+// tile<QT, XB, rows, NV> for a run-time rows in 1..sizeof...(R)
+template <int64_t QT, int XB, int NV, int... R>
 TileFn tile_for(int rows, std::integer_sequence<int, R...>) {
   TileFn fn = nullptr;
-  ((rows == R + 1 ? (fn = &tile<QT, R + 1, NV>, 0) : 0), ...);
+  ((rows == R + 1 ? (fn = &tile<QT, XB, R + 1, NV>, 0) : 0), ...);
   return fn;
 }
 
-template <int64_t QT>
+template <int64_t QT, int XB>
 TileFn tile_of(int rows, int nv) {
-  if (nv == 4) return tile_for<QT, 4>(rows, std::make_integer_sequence<int, 2>{});
-  if (nv == 2) return tile_for<QT, 2>(rows, std::make_integer_sequence<int, MR>{});
-  return tile_for<QT, 1>(rows, std::make_integer_sequence<int, MR>{});
+  if (nv == 4) return tile_for<QT, XB, 4>(rows, std::make_integer_sequence<int, 2>{});
+  if (nv == 2) return tile_for<QT, XB, 2>(rows, std::make_integer_sequence<int, MR>{});
+  return tile_for<QT, XB, 1>(rows, std::make_integer_sequence<int, MR>{});
 }
 
-template <int64_t QT>
+template <int64_t QT, int XB>
 void run(const Inputs& in, int64_t M, const uint8_t* wp, int64_t P, int64_t N, const float* bp, float* op) {
   if (M == 0) return;
   const int64_t pstride = in.K / QK * block_bytes(QT), nblocks = in.K / QK;
@@ -214,8 +299,9 @@ void run(const Inputs& in, int64_t M, const uint8_t* wp, int64_t P, int64_t N, c
       for (int64_t m0 = 0; m0 < M; m0 += MR) {  // a panel's next tile of rows reads it from cache
         const int rows = static_cast<int>(std::min<int64_t>(MR, M - m0));
         const int nv = std::min(nv_for(rows), 2 * np);  // vectors of columns a tile covers
-        const TileFn fn = tile_of<QT>(rows, nv);
-        const Inputs rows_in{in.xq + m0 * in.K, in.s + m0 * nblocks, in.sx + m0 * nblocks, in.K};
+        const TileFn fn = tile_of<QT, XB>(rows, nv);
+        const Inputs rows_in{XB == 16 ? in.xq + m0 * in.K : nullptr, XB == 8 ? in.xq8 + m0 * in.K : nullptr,
+                             in.s + m0 * nblocks, in.sx + m0 * nblocks, in.K};
         for (int h0 = 0; h0 < 2 * np && h0 * VL < pcols; h0 += nv)
           fn(rows_in, panel, pstride, op + m0 * N + p * NB + h0 * VL, N, bp ? bp + p * NB + h0 * VL : nullptr,
              std::min(nv * VL, pcols - h0 * VL), h0);
@@ -226,9 +312,11 @@ void run(const Inputs& in, int64_t M, const uint8_t* wp, int64_t P, int64_t N, c
 }
 
 at::Tensor quant_panel_linear(const at::Tensor& x, const at::Tensor& panels, const std::optional<at::Tensor>& bias,
-                              int64_t out_features, int64_t qtype) {
+                              int64_t out_features, int64_t qtype, int64_t input_bits) {
   TORCH_CHECK(qtype == Q4_1 || qtype == Q8_0, "eagle::quant_panel_linear: qtype ", qtype,
               " is not Q4_1 (3) or Q8_0 (8)");
+  TORCH_CHECK(input_bits == 16 || (input_bits == 8 && qtype == Q4_1), "eagle::quant_panel_linear: input_bits ",
+              input_bits, " is not 16, or 8 with Q4_1 weights");
   TORCH_CHECK(x.scalar_type() == at::kFloat && panels.scalar_type() == at::kByte,
               "eagle::quant_panel_linear takes float32 x and uint8 panels (got ", x.scalar_type(), ", ",
               panels.scalar_type(), ")");
@@ -251,13 +339,20 @@ at::Tensor quant_panel_linear(const at::Tensor& x, const at::Tensor& panels, con
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = N;
   at::Tensor out = at::empty(shape, x.options());
-  std::vector<int16_t> xq(M * K);
   std::vector<float> s(M * (K / QK)), sx(M * (K / QK));
-  quantize_rows(xc.data_ptr<float>(), M, K, xq.data(), s.data(), sx.data());
-  const Inputs in{xq.data(), s.data(), sx.data(), K};
   const float* bp = bc.defined() ? bc.data_ptr<float>() : nullptr;
-  (qtype == Q4_1 ? run<Q4_1> : run<Q8_0>)(in, M, wc.data_ptr<uint8_t>(), panels.size(0), N, bp,
-                                          out.data_ptr<float>());
+  const uint8_t* wp = wc.data_ptr<uint8_t>();
+  float* op = out.data_ptr<float>();
+  if (input_bits == 8) {
+    std::vector<int8_t> xq(M * K);
+    quantize_rows<8>(xc.data_ptr<float>(), M, K, xq.data(), s.data(), sx.data());
+    run<Q4_1, 8>(Inputs{nullptr, xq.data(), s.data(), sx.data(), K}, M, wp, panels.size(0), N, bp, op);
+  } else {
+    std::vector<int16_t> xq(M * K);
+    quantize_rows<16>(xc.data_ptr<float>(), M, K, xq.data(), s.data(), sx.data());
+    const Inputs in{xq.data(), nullptr, s.data(), sx.data(), K};
+    (qtype == Q4_1 ? run<Q4_1, 16> : run<Q8_0, 16>)(in, M, wp, panels.size(0), N, bp, op);
+  }
   return out;
 }
 
@@ -266,7 +361,7 @@ int64_t quant_panel_width() { return NB; }
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(eagle, m) {
-  m.def("quant_panel_linear(Tensor x, Tensor panels, Tensor? bias, int out_features, int qtype) -> Tensor");
+  m.def("quant_panel_linear(Tensor x, Tensor panels, Tensor? bias, int out_features, int qtype, int input_bits=16) -> Tensor");
   m.def("quant_panel_width() -> int");
 }
 

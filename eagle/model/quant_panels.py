@@ -5,7 +5,7 @@ A GGUF block holds 32 consecutive weights of one output row: Q4_1 an fp16 scale 
 the file stores them, uint8 [N, K / 32 * BLOCK_BYTES[qtype]], rows in the model's order. `pack` regroups them as
 column panels of `width()` columns, the kernel's layout; `dequantize` gives the float32 weight exactly as gguf-py
 (and so transformers' GGUF loading) computes it: the weights the kernel multiplies (q as integers, then d and m),
-with the inputs rounded to 16 bits a block (quant_linear.cpp states the bound).
+with the inputs rounded to `INPUT_BITS` a block (quant_linear.cpp states the bound).
 """
 
 from __future__ import annotations
@@ -16,6 +16,11 @@ Q4_1, Q8_0 = 3, 8  # ggml's type numbers (gguf.GGMLQuantizationType), passed to 
 NAMES = {Q4_1: "q4_1", Q8_0: "q8_0"}
 BLOCK = 32  # weights per block
 BLOCK_BYTES = {Q4_1: 20, Q8_0: 34}  # bytes per block in the file
+# The inputs' rounding the engine uses per weight type, one arithmetic for every pass (batch invariance): Q4_1 blocks
+# take 8-bit inputs as llama.cpp's Q4_1 x Q8_1 product does (twice the multiply-adds per instruction; on the embedded
+# default as faithful to the float32 model as llama.cpp's Q4_1, BENCHMARKS.md), Q8_0 (the lm_head, a draft head)
+# 16-bit ones (the kernel has no 8 x 8-bit product).
+INPUT_BITS = {Q4_1: 8, Q8_0: 16}
 
 
 def width() -> int:
@@ -74,6 +79,9 @@ def pack(qtype: int, blocks: torch.Tensor, nb: int | None = None) -> torch.Tenso
     return torch.cat(parts, dim=-1).reshape(p, -1)  # [P, nblocks * BLOCK_BYTES * NB]
 
 
-def linear(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, out_features: int, qtype: int):
-    """x [..., K] float32 -> [..., N]: the operator on packed panels."""
-    return torch.ops.eagle.quant_panel_linear(x, panels, bias, out_features, qtype)
+def linear(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, out_features: int, qtype: int,
+           input_bits: int | None = None):
+    """x [..., K] float32 -> [..., N]: the operator on packed panels, the inputs rounded to `input_bits` (default:
+    INPUT_BITS[qtype])."""
+    bits = input_bits or INPUT_BITS.get(qtype, 16)  # an unknown qtype: the operator says which it takes
+    return torch.ops.eagle.quant_panel_linear(x, panels, bias, out_features, qtype, bits)

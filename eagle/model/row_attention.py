@@ -1,7 +1,7 @@
 """Batch-invariant attention for the CPU bases whose linears read GGUF blocks (`torch.ops.eagle.row_attention`,
 row_attention.cpp, in the panel kernel's library).
 
-Why: the quantized kernel (quant_linear.cpp) rounds each linear's inputs to 16 bits a block, so a difference of one
+Why: the quantized kernel (quant_linear.cpp) rounds each linear's inputs to 8 or 16 bits a block, so a difference of one
 float32 unit in an input can move a rounding step and grow from layer to layer. Greedy EAGLE equals greedy vanilla
 only if a tree node's forward is bit for bit the one-row step of the same token, and library attention is not:
 it sums a row over every cached position in vector lanes fixed by position, so the masked gaps of a tree shift the
