@@ -87,10 +87,22 @@ class ContextStats:
         if bucket is not None:
             self.gain[bucket].add(from_context)
             self.offered[bucket] += 1
-            reached = self.reached[bucket]
-            reached += [0] * (from_context - len(reached))
-            for k in range(from_context):
-                reached[k] += 1
+            self._add_reached(bucket, [1] * from_context)
+
+    def merge(self, other: "ContextStats") -> None:
+        """Add `other`'s profile counts (rounds, matched, offered, reached) to this one's."""
+        self.rounds += other.rounds
+        for b in range(len(BUCKETS)):
+            self.matched[b] += other.matched[b]
+            self.offered[b] += other.offered[b]
+            self._add_reached(b, other.reached[b])
+
+    def _add_reached(self, bucket: int, counts: list[int]) -> None:
+        """reached[bucket][k] += counts[k], the list grown to the longest run seen."""
+        reached = self.reached[bucket]
+        reached += [0] * (len(counts) - len(reached))
+        for k, n in enumerate(counts):
+            reached[k] += n
 
     def profile(self) -> dict:
         """What chains were accepted, per bucket: `share` of all rounds whose sequence end matched in the bucket,

@@ -53,9 +53,8 @@ static inline vf from_fp16(const uint16_t* p) { return _mm512_cvtph_ps(_mm256_lo
 static inline vi load(const uint8_t* p) { return _mm512_loadu_si512(p); }
 static inline vi s8pairs(const uint8_t* p) { return _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)p)); }
 static inline vi nibble_pairs(vi w, int p) { return _mm512_and_si512(_mm512_srli_epi32(w, 4 * p), _mm512_set1_epi32(0x000F000F)); }
-static inline vi bcast32(const int16_t* p) { int32_t v; std::memcpy(&v, p, 4); return _mm512_set1_epi32(v); }
 static inline vi nibbles(vi w, int p) { return _mm512_and_si512(_mm512_srli_epi32(w, 4 * p), _mm512_set1_epi32(0x0F0F0F0F)); }
-static inline vi bcast32(const int8_t* p) { int32_t v; std::memcpy(&v, p, 4); return _mm512_set1_epi32(v); }
+static inline vi bcast32(const void* p) { int32_t v; std::memcpy(&v, p, 4); return _mm512_set1_epi32(v); }  // 4 bytes
 #ifdef __AVX512VNNI__
 static inline vi dot(vi acc, vi a, vi b) { return _mm512_dpwssd_epi32(acc, a, b); }
 static inline vi dot8(vi acc, vi u, vi s) { return _mm512_dpbusd_epi32(acc, u, s); }
@@ -109,9 +108,8 @@ static inline vf from_fp16(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu
 static inline vi load(const uint8_t* p) { return _mm256_loadu_si256((const __m256i*)p); }
 static inline vi s8pairs(const uint8_t* p) { return _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)p)); }
 static inline vi nibble_pairs(vi w, int p) { return _mm256_and_si256(_mm256_srli_epi32(w, 4 * p), _mm256_set1_epi32(0x000F000F)); }
-static inline vi bcast32(const int16_t* p) { int32_t v; std::memcpy(&v, p, 4); return _mm256_set1_epi32(v); }
 static inline vi nibbles(vi w, int p) { return _mm256_and_si256(_mm256_srli_epi32(w, 4 * p), _mm256_set1_epi32(0x0F0F0F0F)); }
-static inline vi bcast32(const int8_t* p) { int32_t v; std::memcpy(&v, p, 4); return _mm256_set1_epi32(v); }
+static inline vi bcast32(const void* p) { int32_t v; std::memcpy(&v, p, 4); return _mm256_set1_epi32(v); }  // 4 bytes
 #ifdef __AVXVNNI__
 static inline vi dot(vi acc, vi a, vi b) { return _mm256_dpwssd_avx_epi32(acc, a, b); }
 static inline vi dot8(vi acc, vi u, vi s) { return _mm256_dpbusd_avx_epi32(acc, u, s); }

@@ -43,19 +43,8 @@ def measure(model, prompt_sets: dict[str, list[list[int]]], max_new_tokens: int)
             rounds = list(model.stream(torch.tensor([ids]), max_new_tokens=max_new_tokens, context_drafts=True))
             log(f"{name}: {len(rounds)} rounds, {sum(r.context for r in rounds)} tokens copied")
         sets[name] = own.profile()
-        _merge(overall, own)
+        overall.merge(own)
     return {**overall.profile(), "chain": max(CHAINS), "max_new_tokens": max_new_tokens, "sets": sets}
-
-
-def _merge(into: ContextStats, other: ContextStats) -> None:
-    into.rounds += other.rounds
-    for b in range(len(into.matched)):
-        into.matched[b] += other.matched[b]
-        into.offered[b] += other.offered[b]
-        reached = into.reached[b]
-        reached += [0] * (len(other.reached[b]) - len(reached))
-        for k, n in enumerate(other.reached[b]):
-            reached[k] += n
 
 
 def sharegpt_openings(count: int, skip: int) -> list[str]:
