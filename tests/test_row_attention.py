@@ -59,6 +59,27 @@ def test_a_row_over_masked_gaps_equals_the_row_over_its_keys_alone():
 
 
 @needs_kernel
+@pytest.mark.parametrize("length", [129, 300, 1030])
+def test_a_long_row_in_chunks_is_sdpa_and_the_row_over_its_keys_alone(length):
+    """Past 128 keys a row's keys are split in chunks (tasks of their own): still SDPA, and still batch invariant:
+    a tree row over the context and its own gaps (a consecutive prefix, then keys gathered) equals, bit for bit, the
+    row over those keys alone (all consecutive)."""
+    g = torch.Generator().manual_seed(length)
+    rows = 6
+    q = torch.randn(1, H, rows, D, generator=g)
+    k, v = torch.randn(1, HKV, length, D, generator=g), torch.randn(1, HKV, length, D, generator=g)
+    allowed = torch.rand(rows, length, generator=g) < 0.7
+    allowed[:, : length - rows - 20] = True  # the context, then tree-like gaps
+    allowed[torch.arange(rows), length - rows + torch.arange(rows)] = True
+    out = torch.ops.eagle.row_attention(q, k, v, allowed[None, None], D**-0.5)
+    torch.testing.assert_close(out.double(), sdpa(q, k, v, allowed), rtol=0, atol=2e-6)
+    for i in range(rows):
+        keys = allowed[i].nonzero()[:, 0]
+        alone = torch.ops.eagle.row_attention(q[:, :, i : i + 1], k[:, :, keys], v[:, :, keys], None, D**-0.5)
+        assert torch.equal(alone[0, 0], out[0, i])
+
+
+@needs_kernel
 def test_a_quantized_base_gives_a_tree_node_the_one_row_steps_logits_bit_for_bit(tmp_path):
     base = quantized_tiny_base(tmp_path / "tiny.gguf", layers=3)
     few_rows.install(base)
@@ -101,8 +122,8 @@ AVX2_CHECK = """
 import sys, torch
 torch.ops.load_library(sys.argv[1])
 g = torch.Generator().manual_seed(1)
-H, HKV, D, L = 6, 2, 64, 45
-for rows in (1, 5, 9):
+H, HKV, D = 6, 2, 64
+for rows, L in ((1, 45), (5, 45), (9, 45), (1, 300), (5, 300)):
     q, k, v = (torch.randn(1, h, n, D, generator=g) for h, n in ((H, rows), (HKV, L), (HKV, L)))
     allowed = torch.rand(rows, L, generator=g) < 0.6
     allowed[:, -rows:] |= torch.eye(rows, dtype=torch.bool)
@@ -120,7 +141,8 @@ for rows in (1, 5, 9):
 @needs_kernel
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="-mno-avx512f is an x86 flag")
 def test_the_avx2_build_of_row_attention_is_sdpa_and_batch_invariant(tmp_path):
-    """The AVX2 code path (8 keys a block, its own lane sums), built and checked in a process of its own."""
+    """The AVX2 code path (8 keys a block, its own lane sums; rows of one chunk and of several), built and checked
+    in a process of its own."""
     library = tmp_path / "panel_linear_avx2.so"
     subprocess.run(panel_kernel.build_command(panel_kernel._compiler(), library, ("-mno-avx512f",)), check=True)
     subprocess.run([sys.executable, "-c", AVX2_CHECK, str(library)], check=True, timeout=120)

@@ -8,10 +8,13 @@
 // the same keys in the same order, the same operations. (Library attention sums a row over every cached position
 // in vector lanes fixed by position, so the masked gaps of a tree shift the lanes of the later keys.)
 //
-// Per row and query head: the allowed keys gathered (n of them); scores s[c] = dot(q, k[c]) * scale + mask, each
-// dot fused-multiply-added in VL lanes over d then the lanes summed in a fixed order (VL keys at a time, the same
-// sums: block_dots); max; p[c] = exp(s[c] - max) (a polynomial, vectorised); sum of p in VL lanes by c then in a
-// fixed order; out = sum_c p[c] v[c] fused-multiply-added in c order, / the sum.
+// Per row and query head: the allowed keys gathered (n of them) and split in ceil(n / CHUNK) chunks of equal size
+// (a multiple of VL, the last one shorter), each chunk a task of its own (with the key/value head's G query heads),
+// so that a one-row step's few heads still spread over the threads. Per chunk: scores s[c] = dot(q, k[c]) * scale +
+// mask, each dot fused-multiply-added in VL lanes over d then the lanes summed in a fixed order (VL keys at a time,
+// the same sums: block_dots); the chunk's max m; p[c] = exp(s[c] - m) (a polynomial, vectorised); their sum l in VL
+// lanes by c then in a fixed order; o = sum_c p[c] v[c] fused-multiply-added in c order. The row's output: its
+// chunks' o and l weighted by exp(m_j - max_j m_j), summed in chunk order, o / l (with one chunk exactly o / l).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -35,6 +38,7 @@ typedef float vec __attribute__((vector_size(VL * sizeof(float))));
 typedef int32_t ivec __attribute__((vector_size(VL * sizeof(int32_t))));
 typedef float vec_u __attribute__((vector_size(VL * sizeof(float)), aligned(4), may_alias));
 constexpr float BLOCKED = -1e30f;  // an additive mask value at or below this hides the key (finfo.min, -inf)
+constexpr int64_t CHUNK = 128;    // keys a task at most: a row's n keys in ceil(n / CHUNK) chunks of equal size
 
 static inline vec loadu(const float* p) { return *reinterpret_cast<const vec_u*>(p); }
 static inline void storeu(float* p, vec a) { *reinterpret_cast<vec_u*>(p) = a; }
@@ -91,6 +95,20 @@ static inline vec exp_nonpositive(vec x) {
   return x < -87.f ? vec{} : e;
 }
 
+// Where a chunk's c-th key row is: its keys gathered from anywhere in the cache, or a run of consecutive cache rows
+// (a context's prefix) read at a fixed stride. Both give the same loads, so the same bits.
+struct Gathered {
+  const float* base;
+  const int64_t* keys;
+  int64_t D;
+  const float* operator()(int64_t c) const { return base + keys[c] * D; }
+};
+struct Consecutive {
+  const float* first;
+  int64_t D;
+  const float* operator()(int64_t c) const { return first + c * D; }
+};
+
 // q . k over d: VL lanes over d (then the lanes in lanes_sum's order), the tail after them
 static inline float dot(const float* q, const float* k, int64_t D) {
   vec acc{};
@@ -101,15 +119,28 @@ static inline float dot(const float* q, const float* k, int64_t D) {
   return sum;
 }
 
-// VL keys' dots at once, out[j] = dot(q, k + keys[j] * D, D) bit for bit: each key's VL lanes accumulated over d as
-// `dot` does, then all VL keys' lanes summed by one butterfly whose additions per key are lanes_sum's (lanes i and
-// i + VL/2, then i and i + 4 of those, then (0 + 2) + (1 + 3)): no horizontal sum per key. Needs D % VL == 0.
-static inline vec block_dots(const float* q, const float* k, const int64_t* keys, int64_t D) {
+// VL keys' dots at once, out[j] = dot(q, row(c + j), NV * VL) bit for bit: each key's VL lanes accumulated over d as
+// `dot` does (q's NV vectors held in registers), then all VL keys' lanes summed by one butterfly whose additions per
+// key are lanes_sum's (lanes i and i + VL/2, then i and i + 4 of those, then (0 + 2) + (1 + 3)): no horizontal sum
+// per key.
+template <int NV, class Row>
+static inline vec block_dots(const float* q, Row row, int64_t c0) {
   vec a[VL];
-  for (int j = 0; j < VL; j++) a[j] = vec{};
-  for (int64_t d = 0; d < D; d += VL) {
-    const vec qd = loadu(q + d);
-    for (int j = 0; j < VL; j++) a[j] = fmadd(qd, loadu(k + keys[j] * D + d), a[j]);
+  if constexpr (NV + VL <= (VL == 16 ? 28 : 12)) {  // q in registers, a key at a time
+    vec qv[NV];
+    for (int i = 0; i < NV; i++) qv[i] = loadu(q + i * VL);
+    for (int j = 0; j < VL; j++) {
+      const float* kj = row(c0 + j);
+      vec acc = vec{};
+      for (int i = 0; i < NV; i++) acc = fmadd(qv[i], loadu(kj + i * VL), acc);
+      a[j] = acc;
+    }
+  } else {  // too few registers for that: q's vectors in turn, every key's sums
+    for (int j = 0; j < VL; j++) a[j] = vec{};
+    for (int i = 0; i < NV; i++) {
+      const vec qd = loadu(q + i * VL);
+      for (int j = 0; j < VL; j++) a[j] = fmadd(qd, loadu(row(c0 + j) + i * VL), a[j]);
+    }
   }
 #ifdef __AVX512F__
   vec b[8], c[4], e[2];
@@ -139,30 +170,17 @@ static inline vec block_dots(const float* q, const float* k, const int64_t* keys
 #endif
 }
 
-// out[D] = sum_c p[c] v[keys[c]] in c order, for any D (accumulated in memory; weighted_sums below holds the sums
-// in registers where D is 4 or 8 vectors)
-static void weighted_sum(const float* p, const int64_t* keys, int64_t n, const float* v, float* out, int64_t D) {
-  std::fill(out, out + D, 0.f);
-  for (int64_t c = 0; c < n; c++) {
-    const float* vj = v + keys[c] * D;
-    int64_t d = 0;
-    for (; d + VL <= D; d += VL) storeu(out + d, fmadd(splat(p[c]), loadu(vj + d), loadu(out + d)));
-    for (; d < D; d++) out[d] = std::fma(p[c], vj[d], out[d]);
-  }
-}
-
-// out + h * ostride = sum_c p[h * pstride + c] v[keys[c]] in c order for the query heads of one key/value head at
-// once, D = NV * VL: each key's value row loaded once for them all, each head's NV vectors of sums in registers
-// (heads in register blocks of 16 / NV).
-template <int NV>
-void weighted_sums(const float* p, int64_t pstride, int64_t heads, const int64_t* keys, int64_t n, const float* v,
-                   float* out, int64_t ostride) {
+// out + h * ostride = sum_c p[h * pstride + c] row(c) in c order for the query heads of one key/value head at once,
+// D = NV * VL: each key's value row loaded once for them all, each head's NV vectors of sums in registers (heads in
+// register blocks of 16 / NV).
+template <int NV, class Row>
+void weighted_sums(const float* p, int64_t pstride, int64_t heads, Row row, int64_t n, float* out, int64_t ostride) {
   constexpr int CH = 16 / NV;
   for (int64_t h0 = 0; h0 < heads; h0 += CH) {
     const int hc = static_cast<int>(std::min<int64_t>(CH, heads - h0));
     vec acc[CH][NV] = {};
     for (int64_t c = 0; c < n; c++) {
-      const float* vj = v + keys[c] * NV * VL;
+      const float* vj = row(c);
       vec vv[NV];
       for (int i = 0; i < NV; i++) vv[i] = loadu(vj + i * VL);
       for (int hh = 0; hh < hc; hh++) {
@@ -173,6 +191,78 @@ void weighted_sums(const float* p, int64_t pstride, int64_t heads, const int64_t
     for (int hh = 0; hh < hc; hh++)
       for (int i = 0; i < NV; i++) storeu(out + (h0 + hh) * ostride + i * VL, acc[hh][i]);
   }
+}
+
+// The same for any D, accumulated in memory: out[D] = sum_c p[c] row(c) in c order.
+template <class Row>
+void weighted_sum(const float* p, Row row, int64_t n, float* out, int64_t D) {
+  std::fill(out, out + D, 0.f);
+  for (int64_t c = 0; c < n; c++) {
+    const float* vj = row(c);
+    int64_t d = 0;
+    for (; d + VL <= D; d += VL) storeu(out + d, fmadd(splat(p[c]), loadu(vj + d), loadu(out + d)));
+    for (; d < D; d++) out[d] = std::fma(p[c], vj[d], out[d]);
+  }
+}
+
+// One chunk of a row's keys (n of them, their rows given by krow and vrow, their mask values `added`) for the G query
+// heads q(hh) of one key/value head: per head, its scores' max (top[hh]), the sum of exp(score - max) (total[hh],
+// VL lanes by key then lanes_sum) and o[hh * ostride + d] = sum_c exp(score_c - max) v_c[d] in key order.
+// s: scratch of G * sstride floats.
+template <int NV, class Row>
+void attend_chunk(const float* const* q, int64_t G, Row krow, Row vrow, const float* added, int64_t n, float sc,
+                  int64_t D, float* s, int64_t sstride, float* top, float* total, float* o, int64_t ostride) {
+  for (int64_t hh = 0; hh < G; hh++) std::copy(added, added + n, s + hh * sstride);
+  int64_t c = 0;
+  if constexpr (NV > 0) {
+    for (; c + VL <= n; c += VL)
+      for (int64_t hh = 0; hh < G; hh++) {  // dot * scale + mask in one rounding, as the tail below
+        float* sh = s + hh * sstride;
+        storeu(sh + c, fmadd(block_dots<NV>(q[hh], krow, c), splat(sc), loadu(sh + c)));
+      }
+  }
+  for (; c < n; c++)
+    for (int64_t hh = 0; hh < G; hh++) s[hh * sstride + c] = std::fma(dot(q[hh], krow(c), D), sc, s[hh * sstride + c]);
+  const int64_t full = n / VL * VL;
+  for (int64_t hh = 0; hh < G; hh++) {
+    float* sh = s + hh * sstride;
+    vec tops = splat(-std::numeric_limits<float>::infinity());
+    for (c = 0; c < full; c += VL) tops = vmax(tops, loadu(sh + c));
+    float t = lanes_max(tops);
+    for (c = full; c < n; c++) t = std::max(t, sh[c]);
+    vec lanes{};
+    for (c = 0; c < full; c += VL) {
+      const vec p = exp_nonpositive(loadu(sh + c) - t);
+      storeu(sh + c, p);
+      lanes += p;
+    }
+    if (full < n) {  // the last keys; lanes past n add exp(-1e30) = 0
+      vec x;
+      for (int l = 0; l < VL; l++) x[l] = full + l < n ? sh[full + l] - t : -1e30f;
+      const vec p = exp_nonpositive(x);
+      storeu(sh + full, p);
+      lanes += p;
+    }
+    top[hh] = t;
+    total[hh] = lanes_sum(lanes);
+  }
+  if constexpr (NV == 4 || NV == 8)
+    weighted_sums<NV>(s, sstride, G, vrow, n, o, ostride);
+  else
+    for (int64_t hh = 0; hh < G; hh++) weighted_sum(s + hh * sstride, vrow, n, o + hh * ostride, D);
+}
+
+// attend_chunk on the chunk's keys as they lie: a run of consecutive cache rows (read at a fixed stride) or gathered
+template <int NV>
+void attend_chunk_at(const float* const* q, int64_t G, const float* kg, const float* vg, const int64_t* keys,
+                     const float* added, int64_t n, float sc, int64_t D, float* s, int64_t sstride, float* top,
+                     float* total, float* o, int64_t ostride) {
+  if (keys[n - 1] - keys[0] == n - 1)  // ascending and distinct: consecutive
+    attend_chunk<NV>(q, G, Consecutive{kg + keys[0] * D, D}, Consecutive{vg + keys[0] * D, D}, added, n, sc, D, s,
+                     sstride, top, total, o, ostride);
+  else
+    attend_chunk<NV>(q, G, Gathered{kg, keys, D}, Gathered{vg, keys, D}, added, n, sc, D, s, sstride, top, total, o,
+                     ostride);
 }
 
 at::Tensor row_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -210,8 +300,9 @@ at::Tensor row_attention(const at::Tensor& q, const at::Tensor& k, const at::Ten
   const bool* mb = mc.defined() && !additive ? mc.data_ptr<bool>() : nullptr;
   const float sc = static_cast<float>(scale);
   // each row's allowed keys, in cache order, and their mask values (shared by the row's heads); causal (no mask):
-  // j <= L - M + i
-  std::vector<int64_t> keys(M * L), count(M);
+  // j <= L - M + i. Row i's keys are split in chunks of `size[i]` keys (a multiple of VL; its key count alone
+  // decides it) and each chunk is a task per key/value head: chunks(i) * Hkv tasks, numbered from first[i].
+  std::vector<int64_t> keys(M * L), count(M), chunks(M), size(M), first(M + 1);
   std::vector<float> added(M * L);
   for (int64_t i = 0; i < M; i++) {
     int64_t n = 0;
@@ -221,73 +312,60 @@ at::Tensor row_attention(const at::Tensor& q, const at::Tensor& k, const at::Ten
       if (allowed) keys[i * L + n] = j, added[i * L + n] = a, n++;
     }
     count[i] = n;
+    const int64_t parts = std::max<int64_t>(1, (n + CHUNK - 1) / CHUNK);
+    size[i] = std::max<int64_t>(VL, ((n + parts - 1) / parts + VL - 1) / VL * VL);
+    chunks[i] = std::max<int64_t>(1, (n + size[i] - 1) / size[i]);
+    first[i + 1] = first[i] + chunks[i] * Hkv;
   }
-  // a task: one row and one key/value head, its G query heads together, so that each key's K and V rows are read
-  // from memory once for the G heads (then from L1); every (row, head) gets the operations it would get alone
-  const int64_t G = H / Hkv, sstride = L + VL, ostride = D + VL;
-  at::parallel_for(0, M * Hkv, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> s(G * sstride), o(G * ostride), total(G);
+  const int64_t G = H / Hkv, sstride = CHUNK + VL, ostride = D + VL, tasks = first[M];
+  // per task and query head: the chunk's max score, its sum of exponentials, its unnormalised output
+  std::vector<float> tops(tasks * G), totals(tasks * G), outs(tasks * G * ostride);
+  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> s(G * sstride);
+    std::vector<const float*> qh(G);
     for (int64_t task = begin; task < end; task++) {
-      const int64_t i = task / Hkv, g = task % Hkv;
-      const float* kg = kp + g * khs;
-      const float* vg = vp + g * vhs;
-      const int64_t n = count[i];
-      const int64_t* row_keys = keys.data() + i * L;
-      auto q_of = [&](int64_t hh) { return qp + ((g * G + hh) * M + i) * D; };
-      if (n == 0) {  // no key to see (never in the engine: every row sees itself): zeros
-        for (int64_t hh = 0; hh < G; hh++) std::fill_n(op + (i * H + g * G + hh) * D, D, 0.f);
+      const int64_t i = std::upper_bound(first.begin(), first.end(), task) - first.begin() - 1;
+      const int64_t g = (task - first[i]) / chunks[i], chunk = (task - first[i]) % chunks[i];
+      const int64_t c0 = chunk * size[i], n = std::min(count[i] - c0, size[i]);
+      float* top = tops.data() + task * G;
+      float* total = totals.data() + task * G;
+      float* o = outs.data() + task * G * ostride;
+      if (n <= 0) {  // no key to see (never in the engine: every row sees itself): zeros
+        std::fill_n(top, G, 0.f), std::fill_n(total, G, 1.f), std::fill_n(o, G * ostride, 0.f);
         continue;
       }
-      for (int64_t hh = 0; hh < G; hh++)
-        std::copy(added.begin() + i * L, added.begin() + i * L + n, s.begin() + hh * sstride);
-      int64_t c = 0;
-      if (D % VL == 0) {
-        for (; c + VL <= n; c += VL) {
-          for (int64_t hh = 0; hh < G; hh++) {  // d * scale + mask in one rounding, as the tail below
-            float* sh = s.data() + hh * sstride;
-            storeu(sh + c, fmadd(block_dots(q_of(hh), kg, row_keys + c, D), splat(sc), loadu(sh + c)));
-          }
-        }
-      }
-      for (; c < n; c++)
-        for (int64_t hh = 0; hh < G; hh++)
-          s[hh * sstride + c] = std::fma(dot(q_of(hh), kg + row_keys[c] * D, D), sc, s[hh * sstride + c]);
-      for (int64_t hh = 0; hh < G; hh++) {
-        float* sh = s.data() + hh * sstride;
-        const int64_t full = n / VL * VL;
-        vec tops = splat(-std::numeric_limits<float>::infinity());
-        for (c = 0; c < full; c += VL) tops = vmax(tops, loadu(sh + c));
-        float top = lanes_max(tops);
-        for (c = full; c < n; c++) top = std::max(top, sh[c]);
-        vec lanes{};
-        for (c = 0; c < full; c += VL) {
-          const vec p = exp_nonpositive(loadu(sh + c) - top);
-          storeu(sh + c, p);
-          lanes += p;
-        }
-        if (full < n) {  // the last keys; lanes past n add exp(-1e30) = 0
-          vec x;
-          for (int l = 0; l < VL; l++) x[l] = full + l < n ? sh[full + l] - top : -1e30f;
-          const vec p = exp_nonpositive(x);
-          storeu(sh + full, p);
-          lanes += p;
-        }
-        total[hh] = lanes_sum(lanes);
-      }
+      for (int64_t hh = 0; hh < G; hh++) qh[hh] = qp + ((g * G + hh) * M + i) * D;
+      const int64_t* ks = keys.data() + i * L + c0;
+      const float* as = added.data() + i * L + c0;
+      const float *kg = kp + g * khs, *vg = vp + g * vhs;
       if (D == 4 * VL)
-        weighted_sums<4>(s.data(), sstride, G, row_keys, n, vg, o.data(), ostride);
+        attend_chunk_at<4>(qh.data(), G, kg, vg, ks, as, n, sc, D, s.data(), sstride, top, total, o, ostride);
       else if (D == 8 * VL)
-        weighted_sums<8>(s.data(), sstride, G, row_keys, n, vg, o.data(), ostride);
+        attend_chunk_at<8>(qh.data(), G, kg, vg, ks, as, n, sc, D, s.data(), sstride, top, total, o, ostride);
       else
-        for (int64_t hh = 0; hh < G; hh++)
-          weighted_sum(s.data() + hh * sstride, row_keys, n, vg, o.data() + hh * ostride, D);
-      for (int64_t hh = 0; hh < G; hh++) {
-        float* oi = op + (i * H + g * G + hh) * D;
-        const float* oh = o.data() + hh * ostride;
-        int64_t d = 0;
-        for (; d + VL <= D; d += VL) storeu(oi + d, loadu(oh + d) / total[hh]);
-        for (; d < D; d++) oi[d] = oh[d] / total[hh];
+        attend_chunk_at<0>(qh.data(), G, kg, vg, ks, as, n, sc, D, s.data(), sstride, top, total, o, ostride);
+    }
+  });
+  // out = sum_j e_j o_j / sum_j e_j total_j over a row's chunks in order, e_j = exp(top_j - max_j top_j): with one
+  // chunk (e = 1) exactly o / total
+  const int64_t most = *std::max_element(chunks.begin(), chunks.end());
+  at::parallel_for(0, M * H, std::max<int64_t>(1, 16384 / (most * D)), [&](int64_t begin, int64_t end) {
+    std::vector<float> acc(D);
+    for (int64_t ih = begin; ih < end; ih++) {
+      const int64_t i = ih / H, h = ih % H, g = h / G, hh = h % G;
+      const int64_t t0 = first[i] + g * chunks[i];
+      float best = -std::numeric_limits<float>::infinity();
+      for (int64_t j = 0; j < chunks[i]; j++) best = std::max(best, tops[(t0 + j) * G + hh]);
+      float sum = 0.f;
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t j = 0; j < chunks[i]; j++) {
+        const float e = std::exp(tops[(t0 + j) * G + hh] - best);
+        const float* oj = outs.data() + ((t0 + j) * G + hh) * ostride;
+        sum = std::fma(e, totals[(t0 + j) * G + hh], sum);
+        for (int64_t d = 0; d < D; d++) acc[d] = std::fma(e, oj[d], acc[d]);
       }
+      float* oi = op + (i * H + h) * D;
+      for (int64_t d = 0; d < D; d++) oi[d] = acc[d] / sum;
     }
   });
   return out;
