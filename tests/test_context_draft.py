@@ -266,16 +266,27 @@ def test_compiled_rounds_with_context_drafts_give_the_eager_rounds(tmp_path, mon
     counters = torch._dynamo.utils.counters
     counters.clear()
     compiled.warm()
-    assert counters["stats"]["unique_graphs"] == 4 and not counters["graph_break"], dict(counters["graph_break"])
-    calls = {3: 0, 6: 0}
+    # draft (a commit of the longest path, and of the head's depth), verify, verify with a chain of each size
+    assert counters["stats"]["unique_graphs"] == 5 and not counters["graph_break"], dict(counters["graph_break"])
+    calls = {3: 0, 6: 0, "long": 0, "short": 0}
+
+    def count(graphs, rows, name):
+        graph = graphs._graph(rows)
+
+        def counted(*args):
+            calls[name] += 1
+            return graph(*args)
+
+        graphs.graphs[rows] = counted
+
     for m, graphs in compiled.verify_chain_graphs.items():
-        graph = graphs._graph(shape.nodes + m)
-
-        def counted(*args, _graph=graph, _m=m):
-            calls[_m] += 1
-            return _graph(*args)
-
-        graphs.graphs[shape.nodes + m] = counted
+        count(graphs, shape.nodes + m, m)
+    count(compiled.draft_graph, shape.nodes, "long")
+    count(compiled.short_draft_graph, shape.nodes, "short")
     model.round_runner = lambda *a: compiled
     assert rounds() == eager
-    assert min(calls.values()) >= 2 and sum(calls.values()) >= 5 and sum(r[2] for r in eager) >= 10, calls
+    assert min(calls[3], calls[6]) >= 2 and calls[3] + calls[6] >= 5 and sum(r[2] for r in eager) >= 10, calls
+    # a round after one that accepted copies past the head's depth commits the longest path; the others, most,
+    # commit a path of the head's depth (no chain's worth of padding rows through the head)
+    long_paths = sum(r[1] + 1 > shape.head_commit_rows for r in eager[1:-1])
+    assert calls["long"] == long_paths > 0 and calls["short"] > 0, (calls, long_paths)

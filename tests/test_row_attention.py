@@ -108,14 +108,17 @@ def test_a_quantized_base_gives_a_tree_node_the_one_row_steps_logits_bit_for_bit
 
 
 @needs_kernel
-def test_keys_and_values_are_read_in_place_from_a_longer_cache_buffer():
+def test_queries_keys_and_values_are_read_in_place_from_the_views_a_graph_passes():
     g = torch.Generator().manual_seed(1)
-    q = torch.randn(1, H, 2, D, generator=g)
+    q = torch.randn(1, 3, H, D, generator=g).transpose(1, 2)  # the projection's [1, M, Hq, D], heads and rows swapped
     buffers = torch.randn(2, 1, HKV, L + 20, D, generator=g)  # [k | v, 1, Hkv, capacity, D]
     k, v = buffers[0, :, :, :L], buffers[1, :, :, :L]  # the cache's views of its first L rows
-    assert not k.is_contiguous()
+    assert not q.is_contiguous() and not k.is_contiguous()
     out = torch.ops.eagle.row_attention(q, k, v, None, D**-0.5)
-    assert torch.equal(out, torch.ops.eagle.row_attention(q, k.contiguous(), v.contiguous(), None, D**-0.5))
+    assert torch.equal(out, torch.ops.eagle.row_attention(q.contiguous(), k.contiguous(), v.contiguous(), None,
+                                                          D**-0.5))  # fmt: skip
+    torch.testing.assert_close(out.double(), sdpa(q, k, v, torch.ones(3, L, dtype=torch.bool).tril(L - 3)),
+                               rtol=0, atol=2e-6)  # fmt: skip
 
 
 AVX2_CHECK = """

@@ -206,7 +206,7 @@ def greedy_tree_rounds(
         context.extend(input_ids[0].tolist() + tokens)
     depth = runner.shape.max_depth  # D: the packet's layout (round_steps.Verdict)
     while True:
-        tree = runner.draft(draft_cache, start, features, ids, length, root)
+        tree = runner.draft(draft_cache, start, features, ids, length, root, rows=n)
         draft_cache.length = start = start + n
         verdict = runner.verify(cache, committed, tree, context.propose() if context is not None else None)
         packet = verdict.packet.tolist()  # the round's one host read

@@ -1,6 +1,7 @@
 """Runners of a greedy EAGLE-2 round's two steps (round_steps.py), one interface:
 
-    runner.draft(cache, start, features, ids, n, root) -> DeviceTree
+    runner.draft(cache, start, features, ids, n, root, rows) -> DeviceTree   (rows: the commit's real rows, a host
+                                                                 count; None = unknown)
     runner.verify(cache, committed, tree, chain) -> Verdict   (chain: a context draft added first, or None; the
                                                              caller keeps the accepted path's KV rows)
 
@@ -30,9 +31,19 @@ class EagerRound:
     def __init__(self, base, step: HeadStep, shape: TreeShape):
         self.base, self.step, self.shape = base, step, shape
 
-    def draft(self, cache, start: int, features, ids, n, root) -> DeviceTree:
+    def draft(self, cache, start: int, features, ids, n, root, rows: int | None = None) -> DeviceTree:
+        features, ids = self.commit_of(features, ids, rows)
         with few_row_kernels():  # float32 CPU linears: the plan's kernel per row count (few_rows.py)
             return draft_step(self.step, cache, start, features, ids, n, root, self.shape)
+
+    def commit_of(self, features, ids, rows: int | None):
+        """The commit a draft step takes: with context chains in the shape, the rows of a path of the head's own
+        depth where the `rows` real ones fit in them (most rounds: no copy was accepted), so that the head does not
+        run over a chain's worth of padding; else all C rows."""
+        short = self.shape.head_commit_rows
+        if rows is not None and rows <= short < ids.shape[0]:
+            return features[:short], ids[:short]  # [C', F], [C']
+        return features, ids
 
     def verify(self, cache, committed: int, tree: DeviceTree, chain=None) -> Verdict:
         """The verify step (on the tree with `chain` attached: a context_draft.ChainDraft or None); the cache holds
@@ -50,9 +61,6 @@ class CompiledRound(EagerRound):
     def __init__(self, base, step: HeadStep, shape: TreeShape):
         super().__init__(base, step, shape)
 
-        def draft(cache, start, features, ids, n, root):
-            return draft_step(step, cache, start, features, ids, n, root, shape)
-
         def verify(cache, committed, tokens, parents, depth, ancestors):
             return verify_step(base, cache, committed, DeviceTree(tokens, parents, depth, ancestors), shape)
 
@@ -63,7 +71,9 @@ class CompiledRound(EagerRound):
 
             return step
 
-        self.draft_graph = BucketGraphs(draft, (shape.nodes,), (step.head, step.base_lm_head), "compiled draft steps")
+        self.draft_graph = _draft_graph(step, shape)
+        # with chains: the draft step over a commit of the head's depth (commit_of), the plain shape's graph
+        self.short_draft_graph = _draft_graph(step, shape.without_chains) if shape.chain else None
         self.verify_graph = BucketGraphs(verify, (shape.nodes,), (base.model,), "compiled verify steps")
         self.verify_chain_graphs = {  # chain nodes M -> the verify step's graph over the N + M rows
             m: BucketGraphs(verify_chain(m), (shape.nodes + m,), (base.model,),
@@ -71,11 +81,15 @@ class CompiledRound(EagerRound):
             for m in shape.chain_sizes
         }
 
-    def draft(self, cache, start: int, features, ids, n, root) -> DeviceTree:
-        if start < 2 or ids.shape[0] != self.shape.commit_rows:
+    def draft(self, cache, start: int, features, ids, n, root, rows: int | None = None) -> DeviceTree:
+        features, ids = self.commit_of(features, ids, rows)
+        # the graph of the commit's rows (without chains the two sizes are one: the shape's own graph)
+        graph = {self.shape.head_commit_rows: self.short_draft_graph, self.shape.commit_rows: self.draft_graph}
+        graph = graph.get(ids.shape[0])
+        if start < 2 or graph is None:  # a prompt's commit: its own rows
             return super().draft(cache, start, features, ids, n, root)
         static_rows((features, 0), (features, 1), (ids, 0))
-        return DeviceTree(*self.draft_graph.call(self.shape.nodes, (cache, start, features, ids, n, root)))
+        return DeviceTree(*graph.call(self.shape.nodes, (cache, start, features, ids, n, root)))
 
     def verify(self, cache, committed: int, tree: DeviceTree, chain=None) -> Verdict:
         if committed < 2:
@@ -101,6 +115,8 @@ class CompiledRound(EagerRound):
             cache, draft_cache, features, commit = self._dummy_round(context)
             draft = self.draft if "draft" in steps else super().draft
             t0 = time.perf_counter()
+            if self.short_draft_graph is not None and "draft" in steps:  # a commit that fits the short one
+                draft(draft_cache, context, features, commit, torch.tensor(2), torch.tensor(0), rows=2)
             tree = draft(draft_cache, context, features, commit, torch.tensor(2), torch.tensor(0))
             seconds["draft"] = time.perf_counter() - t0
             if "verify" in steps:
@@ -148,3 +164,13 @@ class CompiledRound(EagerRound):
         width = base.hidden_size * len(base.feature_layers) if base.feature_layers else base.hidden_size
         features = torch.zeros(shape.commit_rows, width, dtype=base.dtype)
         return cache, draft_cache, features, torch.zeros(shape.commit_rows, dtype=torch.long)
+
+
+def _draft_graph(step: HeadStep, shape: TreeShape) -> BucketGraphs:
+    """The draft step of `shape` as one graph (a commit of shape.commit_rows rows): one function for every round
+    of the shape, so that a round with chains and one without share the file of the plain shape's graph."""
+
+    def draft(cache, start, features, ids, n, root):
+        return draft_step(step, cache, start, features, ids, n, root, shape)
+
+    return BucketGraphs(draft, (shape.nodes,), (step.head, step.base_lm_head), "compiled draft steps")

@@ -73,6 +73,14 @@ class TreeShape:
         return self.max_depth + 1
 
     @property
+    def head_commit_rows(self) -> int:  # a path of the head's nodes alone plus the root (no context node on it)
+        return self.head_depth + 1
+
+    @property
+    def without_chains(self) -> "TreeShape":  # the head's tree alone
+        return TreeShape(self.top_k, self.levels, self.nodes)
+
+    @property
     def draft_entries(self) -> int:  # draft-cache rows a tree writes after the commit
         return self.levels * self.top_k
 

@@ -275,9 +275,12 @@ at::Tensor row_attention(const at::Tensor& q, const at::Tensor& k, const at::Ten
   const int64_t H = q.size(1), M = q.size(2), D = q.size(3), Hkv = k.size(1), L = k.size(2);
   TORCH_CHECK(k.size(3) == D && v.size(3) == D && v.size(2) == L && v.size(1) == Hkv && H % Hkv == 0,
               "eagle::row_attention: shapes do not match (q ", q.sizes(), ", k ", k.sizes(), ", v ", v.sizes(), ")");
+  // q as the graph passes it (a transposed view of the projection: [1, M, Hq, D] with heads and rows swapped): read
+  // in place where each head's D values are contiguous
+  const at::Tensor qc = q.stride(3) == 1 ? q : q.contiguous();
+  const int64_t qhs = qc.stride(1), qrs = qc.stride(2);  // head and row strides
   // k and v as the cache holds them (a view of the first L rows of its buffers): read in place where each row's D
   // values are contiguous
-  const at::Tensor qc = q.contiguous();
   const at::Tensor kc = k.stride(3) == 1 && k.stride(2) == D ? k : k.contiguous();
   const at::Tensor vc = v.stride(3) == 1 && v.stride(2) == D ? v : v.contiguous();
   const int64_t khs = kc.stride(1), vhs = vc.stride(1);  // head strides
@@ -334,7 +337,7 @@ at::Tensor row_attention(const at::Tensor& q, const at::Tensor& k, const at::Ten
         std::fill_n(top, G, 0.f), std::fill_n(total, G, 1.f), std::fill_n(o, G * ostride, 0.f);
         continue;
       }
-      for (int64_t hh = 0; hh < G; hh++) qh[hh] = qp + ((g * G + hh) * M + i) * D;
+      for (int64_t hh = 0; hh < G; hh++) qh[hh] = qp + (g * G + hh) * qhs + i * qrs;
       const int64_t* ks = keys.data() + i * L + c0;
       const float* as = added.data() + i * L + c0;
       const float *kg = kp + g * khs, *vg = vp + g * vhs;
