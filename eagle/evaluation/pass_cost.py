@@ -3,7 +3,7 @@
     python -m eagle.evaluation.pass_cost --threads 2                    # the embedded default model
     python -m eagle.evaluation.pass_cost --rows 1,2,4,8,16,32,60 --model-type llama3.1 --dtype float16
 
-For each n: the median wall time of the engine's base forward over n tokens after a --context-token prefix
+For each n: the median wall time of the engine's base forward over n tokens after a --context prefix
 (features included, as in a verify pass), with the kernel plan measured on this machine, and on CPU in float32
 the same with each few-row kernel (eagle/model/few_rows.py: F.linear, W @ x^T, MKL-packed, panel: on GGUF blocks
 with `--weights q4_1`) for every row count, eagerly (with --compile, the engine column times the compiled graphs
