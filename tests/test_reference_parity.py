@@ -83,8 +83,8 @@ def runs(models, request):
         paths.append(path)
         return tree, path, token
 
-    def spy_draft_step(self, *args):
-        tree = draft_step(self, *args)
+    def spy_draft_step(self, *args, **kwargs):
+        tree = draft_step(self, *args, **kwargs)
         trees.append(TreeDraft(*tree).read()[0])
         return tree
 
