@@ -125,8 +125,8 @@ AVX2_CHECK = """
 import sys, torch
 torch.ops.load_library(sys.argv[1])
 g = torch.Generator().manual_seed(1)
-H, HKV, D = 6, 2, 64
-for rows, L in ((1, 45), (5, 45), (9, 45), (1, 300), (5, 300)):
+H, HKV = 6, 2
+for rows, L, D in ((1, 45, 64), (5, 45, 64), (9, 45, 64), (1, 300, 64), (5, 300, 64), (5, 300, 128)):
     q, k, v = (torch.randn(1, h, n, D, generator=g) for h, n in ((H, rows), (HKV, L), (HKV, L)))
     allowed = torch.rand(rows, L, generator=g) < 0.6
     allowed[:, -rows:] |= torch.eye(rows, dtype=torch.bool)
@@ -144,8 +144,8 @@ for rows, L in ((1, 45), (5, 45), (9, 45), (1, 300), (5, 300)):
 @needs_kernel
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="-mno-avx512f is an x86 flag")
 def test_the_avx2_build_of_row_attention_is_sdpa_and_batch_invariant(tmp_path):
-    """The AVX2 code path (8 keys a block, its own lane sums; rows of one chunk and of several), built and checked
-    in a process of its own."""
+    """The AVX2 code path (8 keys a block, its own lane sums; rows of one chunk and of several; heads of 64 and of
+    128, sixteen 8-lane vectors), built and checked in a process of its own."""
     library = tmp_path / "panel_linear_avx2.so"
     subprocess.run(panel_kernel.build_command(panel_kernel._compiler(), library, ("-mno-avx512f",)), check=True)
     subprocess.run([sys.executable, "-c", AVX2_CHECK, str(library)], check=True, timeout=120)

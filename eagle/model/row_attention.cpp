@@ -126,7 +126,7 @@ static inline float dot(const float* q, const float* k, int64_t D) {
 template <int NV, class Row>
 static inline vec block_dots(const float* q, Row row, int64_t c0) {
   vec a[VL];
-  if constexpr (NV + VL <= (VL == 16 ? 28 : 12)) {  // q in registers, a key at a time
+  if constexpr (NV + VL <= (VL == 16 ? 28 : 12)) {  // q in registers, a key at a time (of 32 or 16 registers)
     vec qv[NV];
     for (int i = 0; i < NV; i++) qv[i] = loadu(q + i * VL);
     for (int j = 0; j < VL; j++) {
@@ -345,6 +345,8 @@ at::Tensor row_attention(const at::Tensor& q, const at::Tensor& k, const at::Ten
         attend_chunk_at<4>(qh.data(), G, kg, vg, ks, as, n, sc, D, s.data(), sstride, top, total, o, ostride);
       else if (D == 8 * VL)
         attend_chunk_at<8>(qh.data(), G, kg, vg, ks, as, n, sc, D, s.data(), sstride, top, total, o, ostride);
+      else if (D == 16 * VL)  // 128 with AVX2's 8 lanes
+        attend_chunk_at<16>(qh.data(), G, kg, vg, ks, as, n, sc, D, s.data(), sstride, top, total, o, ostride);
       else
         attend_chunk_at<0>(qh.data(), G, kg, vg, ks, as, n, sc, D, s.data(), sstride, top, total, o, ostride);
     }
