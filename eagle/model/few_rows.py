@@ -139,8 +139,7 @@ def _panel_linear(x, panels, bias, out_features: int, gguf) -> torch.Tensor:
     """The panel kernel on float32 panels (gguf None) or on the GGUF blocks' panels (gguf: (GGML type, blocks))."""
     if gguf is None:
         return torch.ops.eagle.panel_linear(x, panels, bias, out_features)
-    qtype = gguf[0]
-    return torch.ops.eagle.quant_panel_linear(x, panels, bias, out_features, qtype, quant_panels.INPUT_BITS[qtype])
+    return quant_panels.linear(x, panels, bias, out_features, gguf[0])
 
 
 class Siblings(NamedTuple):
