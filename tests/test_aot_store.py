@@ -144,3 +144,26 @@ def test_the_same_model_loaded_from_another_path_keeps_its_key(tmp_path):
 
         keys.append(aot_store.key(forward, 1, {}))
     assert keys[0] == keys[1]
+
+
+def test_a_saved_graph_is_called_without_a_guard_stance(tmp_path, monkeypatch):
+    """A graph from the store evaluates no guard, so its calls skip dynamo's stance (a scope that costs about as much
+    as a tenth of a step here); a traced graph's calls still enter it."""
+    entered = []
+    stance = torch.compiler.set_stance
+    monkeypatch.setattr(torch.compiler, "set_stance", lambda *a, **k: entered.append(k) or stance(*a, **k))
+    base = _graphs(tmp_path, monkeypatch)
+    try:
+        first = _run(base)
+        assert base.compiled.graphs.saved == {1} and entered == []
+        assert torch.equal(_run(base), first) and entered == []  # a second call: the saved graph, directly
+    finally:
+        base.decompile()
+    monkeypatch.setattr(aot_store, "compile_and_save", lambda *a, **k: (_ for _ in ()).throw(
+        torch._dynamo.exc.PackageError("ID_MATCH guard cannot be serialized.")))  # fmt: skip
+    traced = _graphs(tmp_path / "traced", monkeypatch)
+    try:
+        _run(traced), _run(traced)
+        assert traced.compiled.graphs.saved == set() and any(k.get("skip_guard_eval_unsafe") for k in entered)
+    finally:
+        traced.decompile()

@@ -5,6 +5,7 @@ import torch
 from tiny import random_draft, tiny_base
 from transformers import DynamicCache
 
+from eagle.model import panel_kernel
 from eagle.model.checkpoint import read_checkpoint
 from eagle.model.draft import Drafter
 from eagle.model.ea_model import EaModel, load_head
@@ -140,7 +141,18 @@ def test_caches_after_compaction_equal_a_full_recompute(tmp_path, eagle3, prompt
     torch.testing.assert_close(drafter.last, replay.last, atol=1e-5, rtol=1e-4)
 
 
-def test_compact_moves_kept_rows_into_the_prefix():
+@pytest.fixture(params=["per layer", "one call"])
+def compaction(request, monkeypatch):
+    """TreeKVCache.compact's two ways: copies per layer, or every layer in one call of the kernel library's
+    `compact_rows` (CPU buffers, where the library is built)."""
+    one_call = request.param == "one call"
+    if one_call and not panel_kernel.available():
+        pytest.skip(f"panel kernel: {panel_kernel._state.get('why')}")
+    monkeypatch.setattr(panel_kernel, "loaded", lambda: one_call)
+    return request.param
+
+
+def test_compact_moves_kept_rows_into_the_prefix(compaction):
     cache = TreeKVCache(num_layers=2, capacity=10)
     states = torch.arange(8.0).view(1, 1, 8, 1)
     for layer in cache.layers:
@@ -154,6 +166,8 @@ def test_compact_moves_kept_rows_into_the_prefix():
 
 def test_compact_copies_only_the_rows_that_moved(monkeypatch):
     from eagle.model.kv_cache import PreallocatedLayer
+
+    monkeypatch.setattr(panel_kernel, "loaded", lambda: False)  # the copies per layer, counted here
 
     cache = TreeKVCache(num_layers=2, capacity=12)
     states = torch.arange(9.0).view(1, 1, 9, 1)
@@ -172,6 +186,36 @@ def test_compact_copies_only_the_rows_that_moved(monkeypatch):
     for layer in cache.layers:
         assert layer.get_seq_length() == 8
         assert layer.keys[0, 0, :8, 0].tolist() == [0, 1, 2, 3, 4, 5, 6, 8]
+
+
+def test_compact_in_one_call_equals_the_copies_per_layer(monkeypatch):
+    """Random trees' paths over several layers, heads and contexts: the kernel's moves leave every buffer bit for
+    bit as the per-layer copies do, in one call; rows past the kept ones are left as they were."""
+    if not panel_kernel.available():
+        pytest.skip(f"panel kernel: {panel_kernel._state.get('why')}")
+    calls = []
+    op = torch.ops.eagle.compact_rows
+    monkeypatch.setattr(torch.ops.eagle, "compact_rows", lambda *a: calls.append(a) or op(*a), raising=False)
+    g = torch.Generator().manual_seed(0)
+    for trial in range(20):
+        start, nodes = int(torch.randint(1, 40, (1,), generator=g)), int(torch.randint(2, 17, (1,), generator=g))
+        tree_rows = torch.randperm(nodes, generator=g)[: int(torch.randint(1, nodes + 1, (1,), generator=g))]
+        keep = sorted(start + int(i) for i in tree_rows)
+        caches = []
+        for one_call in (False, True):
+            monkeypatch.setattr(panel_kernel, "loaded", lambda one_call=one_call: one_call)
+            cache = TreeKVCache(num_layers=3, capacity=64)
+            states = torch.randn(1, 3, start + nodes, 8, generator=torch.Generator().manual_seed(trial))
+            for layer in cache.layers:
+                layer.update(states, states * 2)
+            cache.compact(keep, start)
+            caches.append(cache)
+        assert caches[0].length == caches[1].length == start + len(keep)
+        written = start + nodes  # the buffers' rows past these were never written (uninitialised memory)
+        for a, b in zip(caches[0].layers, caches[1].layers):
+            assert torch.equal(a.keys[:, :, :written], b.keys[:, :, :written])
+            assert torch.equal(a.values[:, :, :written], b.values[:, :, :written])
+    assert 0 < len(calls) <= 20 and all(len(c[0]) == 6 for c in calls)  # one call a compaction: 3 layers x (K, V)
 
 
 def test_auto_tree_size_is_timed_and_stays_lossless(tmp_path):

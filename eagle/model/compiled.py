@@ -179,6 +179,7 @@ class BucketGraphs:
         self.buckets = tuple(sorted(buckets))
         self.backend: dict[int, int] = {}  # rows -> index into GEMM_BACKENDS
         self.graphs: dict[int, object] = {}  # rows -> compiled fn
+        self.saved: set[int] = set()  # buckets whose graph came from aot_store: it evaluates no guard on any call
         self.ran: set[int] = set()  # buckets whose graph has run (compiled) at least once
 
     def bucket(self, rows: int) -> int | None:
@@ -206,6 +207,7 @@ class BucketGraphs:
         name = aot_store.name_of(description)
         loaded = aot_store.load(name, self.fn)
         if loaded is not None:
+            self.saved.add(rows)
             return loaded
 
         def first(*args):
@@ -215,6 +217,7 @@ class BucketGraphs:
             except Exception as e:  # noqa: BLE001 - traced the usual way instead (`call`)
                 raise AotUnavailable(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e
             self.graphs[rows] = graph
+            self.saved.add(rows)
             return graph(*args)
 
         return first
@@ -243,11 +246,13 @@ class BucketGraphs:
         """The graph of `rows` (a bucket) on `args`; tensors among them must be `rows` long where marked static.
         A bucket whose first call fails to compile is compiled again with the next GEMM backends (GEMM_BACKENDS).
 
-        Once a bucket's graph has run, dynamo checks only the guards that tell its graphs apart (which bucket,
-        which model), not all of them: what else the guards
+        A graph from aot_store checks no guard. Once a traced bucket's graph has run, dynamo checks only the guards
+        that tell its graphs apart (which bucket, which model), not all of them: what else the guards
         cover (dtypes, the cache's structure, the ranks of every tensor) is the same on every call by
         construction (`CompiledDecode.run`, `CompiledDraft.run`), and a call that matches no graph still
         compiles one."""
+        if rows in self.saved and rows in self.ran:  # no guards to skip (entering the stance costs ~50 us)
+            return self.graphs[rows](*args)
         if rows in self.ran:
             try:
                 with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
@@ -260,6 +265,7 @@ class BucketGraphs:
         except AotUnavailable:  # this function's graphs are traced from now on
             self.aot = False
             del self.graphs[rows]
+            self.saved.discard(rows)
             undo()
             return self.call(rows, args, undo)
         except torch._dynamo.exc.BackendCompilerFailed:  # inductor's errors (NoValidChoicesError, an assertion)
@@ -267,6 +273,7 @@ class BucketGraphs:
                 raise
             self.backend[rows] = self.backend.get(rows, 0) + 1  # this bucket compiles again with the next backend
             del self.graphs[rows]
+            self.saved.discard(rows)
             undo()
             return self.call(rows, args, undo)
         self.ran.add(rows)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from . import panel_kernel
 from .transfer import to_device
 
 
@@ -138,6 +139,12 @@ class TreeKVCache(Cache):
         already in place (a leading run of keep[i] == start + i) are not copied."""
         moved = next((i for i, position in enumerate(keep) if position != start + i), len(keep))
         if moved == len(keep):  # all in place: only truncate
+            self.crop_to(start + len(keep))
+            return
+        layers = [layer for layer in self.layers if layer.is_initialized]
+        buffers = [b for layer in layers for b in (layer.keys, layer.values)]
+        if panel_kernel.loaded() and all(b.device.type == "cpu" and b.is_contiguous() for b in buffers):
+            torch.ops.eagle.compact_rows(buffers, keep[moved:], start + moved)  # every layer in one call
             self.crop_to(start + len(keep))
             return
         index = {}  # one copy per device the layers live on (a device_map spreads them), not one per layer

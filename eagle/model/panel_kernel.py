@@ -28,9 +28,9 @@ from pathlib import Path
 import torch
 
 SOURCE = Path(__file__).with_name("panel_linear.cpp")
-# built into the same library: the kernel over weights kept in GGUF blocks (quant_panels.py) and the batch-invariant
-# attention of the bases that use it (row_attention.py)
-SOURCES = (SOURCE, Path(__file__).with_name("quant_linear.cpp"), Path(__file__).with_name("row_attention.cpp"))
+# built into the same library: the kernel over weights kept in GGUF blocks (quant_panels.py), the batch-invariant
+# attention of the bases that use it (row_attention.py) and the KV cache's compaction (kv_cache.py)
+SOURCES = (SOURCE, *(Path(__file__).with_name(f) for f in ("quant_linear.cpp", "row_attention.cpp", "kv_rows.cpp")))
 _lock = threading.Lock()
 _state: dict = {}  # "ok": bool once tried; "why": the reason it is unavailable; "path": the library loaded
 
@@ -114,6 +114,11 @@ def available(log=None) -> bool:
                 (log or _stderr)(f"panel kernel unavailable ({_state['why']}); decode-sized linears use the other "
                                  "kernels")  # fmt: skip
         return _state["ok"]
+
+
+def loaded() -> bool:
+    """Whether the library is loaded already (`available` said yes); never builds it."""
+    return _state.get("ok", False)
 
 
 def _stderr(line: str) -> None:
