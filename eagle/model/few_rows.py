@@ -180,8 +180,8 @@ def install(model: nn.Module, plan: dict[int, str] | None = None) -> int:
     if n:
         quantized = any(layer.gguf is not None for layer in layers.values())
         set_plan(model, plan if plan is not None else uniform_plan("panel") if quantized else DEFAULT_PLAN)
-        if quantized:  # its rounded inputs need every other step batch-invariant too (row_attention.py)
-            row_attention.install(model)
+        if panel_kernel.available():  # attention row by row (row_attention.py): a few rows in less time than
+            row_attention.install(model)  # ATen's, and batch-invariant, which rounded inputs need (GGUF blocks)
     return n
 
 

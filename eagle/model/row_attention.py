@@ -1,12 +1,13 @@
-"""Batch-invariant attention for the CPU bases whose linears read GGUF blocks (`torch.ops.eagle.row_attention`,
-row_attention.cpp, in the panel kernel's library).
+"""Batch-invariant attention for the float32 CPU bases that run the panel kernel (`torch.ops.eagle.row_attention`,
+row_attention.cpp, in the kernel library), and for their draft heads (draft_head.py calls the operator).
 
-Why: the quantized kernel (quant_linear.cpp) rounds each linear's inputs to 8 or 16 bits a block, so a difference of one
+Why, for bases whose linears read GGUF blocks: the quantized kernel (quant_linear.cpp) rounds each linear's inputs to 8 or 16 bits a block, so a difference of one
 float32 unit in an input can move a rounding step and grow from layer to layer. Greedy EAGLE equals greedy vanilla
 only if a tree node's forward is bit for bit the one-row step of the same token, and library attention is not:
 it sums a row over every cached position in vector lanes fixed by position, so the masked gaps of a tree shift the
 lanes of later keys. This attention computes each row over only the keys it may see, in cache order, the same
-operations whatever the other rows are.
+operations whatever the other rows are. For every base: a decode step's or a tree's few rows over a long cache take
+a fraction of the time of ATen's flash attention, which is blocked for many rows.
 
 `install(model)` registers it with transformers (an attention function and its mask function, under NAME) and
 switches the model's config to it; `uninstall(model)` switches back. Eager forwards and inductor graphs call the
@@ -42,7 +43,10 @@ def _register() -> None:
 
 
 def supported(model: nn.Module) -> bool:
-    """Decoder layers of full causal attention (the mask function knows the causal rule only: no sliding windows)."""
+    """A transformers model whose decoder layers are all of full causal attention (the mask function knows the
+    causal rule only: no sliding windows)."""
+    if not hasattr(getattr(model, "config", None), "get_text_config"):
+        return False  # not a transformers model (a draft head calls the operator itself: draft_head.py)
     config = model.config.get_text_config()
     types = getattr(config, "layer_types", None) or ()
     return not getattr(config, "sliding_window", None) and all(t == "full_attention" for t in types)
