@@ -108,6 +108,51 @@ def test_a_quantized_base_gives_a_tree_node_the_one_row_steps_logits_bit_for_bit
 
 
 @needs_kernel
+def test_a_float32_base_and_its_draft_head_attend_row_by_row_within_rounding_of_sdpa(monkeypatch):
+    """Every float32 CPU base with the kernel library attends with the operator (not only the quantized ones), and so
+    does the draft head's layer; both stay within float32 rounding of SDPA (the path without the library)."""
+    from tiny import draft_config, tiny_base
+
+    from eagle.model.draft_head import DraftConfig, DraftHead, DraftKVCache
+
+    base = tiny_base("llama", layers=3)
+    ids = torch.randint(0, 16, (1, 23), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        sdpa_logits = base(ids).logits
+        few_rows.install(base)
+        assert row_attention.installed(base)
+        calls = []
+        op = torch.ops.eagle.row_attention
+        monkeypatch.setattr(torch.ops.eagle, "row_attention", lambda *a: calls.append(a[0].shape) or op(*a),
+                            raising=False)  # fmt: skip
+        with few_rows.few_row_kernels():
+            torch.testing.assert_close(base(ids).logits, sdpa_logits, rtol=0, atol=2e-5)
+        assert len(calls) == 3  # a layer, a call
+        few_rows.uninstall(base)
+
+        cfg = DraftConfig.from_dict(draft_config(base, eagle3=False), eagle3=False)
+        head = DraftHead(cfg).eval()
+        attention = head.layers[0].self_attn
+        x = torch.randn(1, 4, cfg.hidden_size, generator=torch.Generator().manual_seed(2))
+        cos, sin = head.rotary_emb(x, torch.arange(20, 24)[None])
+        allowed = torch.ones(4, 24, dtype=torch.bool).tril(20)
+        mask = additive_mask(allowed, torch.float32)
+
+        def attend():
+            cache = DraftKVCache(32, cfg.num_key_value_heads, cfg.head_dim, torch.float32, torch.device("cpu"))
+            cache.keys[:, :, :20] = torch.randn(1, cfg.num_key_value_heads, 20, cfg.head_dim, generator=torch.Generator().manual_seed(3))
+            cache.values[:, :, :20] = torch.randn(1, cfg.num_key_value_heads, 20, cfg.head_dim, generator=torch.Generator().manual_seed(4))
+            return attention(x, cos, sin, mask, cache, 20)
+
+        calls.clear()
+        rows = attend()
+        assert len(calls) == 1
+        monkeypatch.setattr(panel_kernel, "loaded", lambda: False)  # the library not loaded: SDPA
+        torch.testing.assert_close(rows, attend(), rtol=0, atol=2e-6)
+        assert len(calls) == 1
+
+
+@needs_kernel
 def test_queries_keys_and_values_are_read_in_place_from_the_views_a_graph_passes():
     g = torch.Generator().manual_seed(1)
     q = torch.randn(1, 3, H, D, generator=g).transpose(1, 2)  # the projection's [1, M, Hq, D], heads and rows swapped
@@ -149,3 +194,34 @@ def test_the_avx2_build_of_row_attention_is_sdpa_and_batch_invariant(tmp_path):
     library = tmp_path / "panel_linear_avx2.so"
     subprocess.run(panel_kernel.build_command(panel_kernel._compiler(), library, ("-mno-avx512f",)), check=True)
     subprocess.run([sys.executable, "-c", AVX2_CHECK, str(library)], check=True, timeout=120)
+
+
+@needs_kernel
+def test_inputs_the_operator_does_not_take_go_to_transformers_sdpa(monkeypatch):
+    """A batch of sequences, another dtype or values narrower than the keys (the interface is installed on every
+    float32 base, which HF `generate` may batch): transformers' SDPA, never the operator."""
+    from types import SimpleNamespace
+
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    calls = []
+    op = torch.ops.eagle.row_attention
+    monkeypatch.setattr(torch.ops.eagle, "row_attention", lambda *a: calls.append(1) or op(*a), raising=False)
+    module = SimpleNamespace(is_causal=True, num_key_value_groups=H // HKV, training=False)
+    g = torch.Generator().manual_seed(5)
+    cases = [
+        (torch.randn(2, H, 3, D, generator=g), torch.randn(2, HKV, 9, D, generator=g), torch.randn(2, HKV, 9, D, generator=g)),
+        (torch.randn(1, H, 3, D, generator=g).bfloat16(), torch.randn(1, HKV, 9, D, generator=g).bfloat16(),
+         torch.randn(1, HKV, 9, D, generator=g).bfloat16()),
+        (torch.randn(1, H, 3, D, generator=g), torch.randn(1, HKV, 9, D, generator=g), torch.randn(1, HKV, 9, D // 2, generator=g)),
+    ]  # fmt: skip
+    for q, k, v in cases:
+        mask = torch.ones(q.shape[0], 1, 3, 9, dtype=torch.bool).tril(6)
+        out, _ = row_attention.attention(module, q, k, v, mask)
+        ref, _ = sdpa_attention_forward(module, q, k, v, mask)
+        assert torch.equal(out, ref)
+    assert calls == []
+    q, k, v = (t[:1] for t in cases[0])  # one float32 sequence: the operator
+    torch.testing.assert_close(row_attention.attention(module, q, k, v, None)[0].double(),
+                               sdpa(q, k, v, torch.ones(3, 9, dtype=torch.bool).tril(6)), rtol=0, atol=2e-6)  # fmt: skip
+    assert calls == [1]

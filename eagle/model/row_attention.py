@@ -23,28 +23,35 @@ NAME = "eagle_rows"  # the attention implementation's name in transformers' regi
 
 
 def attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
-    """transformers' attention-function interface: query [1, Hq, q, D], key and value [1, Hkv, L, D], the mask
-    additive or bool [1, 1, q, >= L] or None (causal) -> ([1, q, Hq, D], None)."""
+    """transformers' attention-function interface: query [b, Hq, q, D], key and value [b, Hkv, L, D], the mask
+    additive or bool [b, 1, q, >= L] or None (causal) -> ([b, q, Hq, D], None). The operator where it applies (one
+    sequence, float32 on the CPU, keys and values of one width), else transformers' SDPA (a batch of padded prompts,
+    another dtype, a base whose values are narrower than its keys)."""
+    fits = (
+        query.shape[0] == 1 and query.device.type == "cpu" and value.shape[-1] == query.shape[-1] == key.shape[-1]
+        and query.dtype == key.dtype == value.dtype == torch.float32 and dropout == 0.0
+        and (attention_mask is None or attention_mask.shape[0] == 1)
+    )  # fmt: skip
+    if not fits:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)  # fmt: skip
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     return torch.ops.eagle.row_attention(query, key, value, attention_mask, scale), None
 
 
-def causal_mask(*args, **kwargs):
-    """The mask function for NAME: no tensor, the operator's causal rule (each row sees the keys up to its own)."""
-    return None
-
-
 def _register() -> None:
     from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
     AttentionInterface.register(NAME, attention)
-    AttentionMaskInterface.register(NAME, causal_mask)
+    AttentionMaskInterface.register(NAME, sdpa_mask)  # SDPA's masks: the operator reads them, as the fallback does
 
 
 def supported(model: nn.Module) -> bool:
-    """A transformers model whose decoder layers are all of full causal attention (the mask function knows the
-    causal rule only: no sliding windows)."""
+    """A transformers model whose decoder layers are all of full causal attention (no sliding windows: the operator's
+    own causal rule, for a mask of None, knows no window)."""
     if not hasattr(getattr(model, "config", None), "get_text_config"):
         return False  # not a transformers model (a draft head calls the operator itself: draft_head.py)
     config = model.config.get_text_config()
