@@ -147,8 +147,8 @@ def test_the_same_model_loaded_from_another_path_keeps_its_key(tmp_path):
 
 
 def test_a_saved_graph_is_called_without_a_guard_stance(tmp_path, monkeypatch):
-    """A graph from the store evaluates no guard, so its calls skip dynamo's stance (a scope that costs about as much
-    as a tenth of a step here); a traced graph's calls still enter it."""
+    """A graph from the store evaluates no guard, so its calls skip dynamo's stance (a scope with a cost of its own);
+    a traced graph's calls still enter it."""
     entered = []
     stance = torch.compiler.set_stance
     monkeypatch.setattr(torch.compiler, "set_stance", lambda *a, **k: entered.append(k) or stance(*a, **k))

@@ -140,8 +140,9 @@ def test_a_float32_base_and_its_draft_head_attend_row_by_row_within_rounding_of_
 
         def attend():
             cache = DraftKVCache(32, cfg.num_key_value_heads, cfg.head_dim, torch.float32, torch.device("cpu"))
-            cache.keys[:, :, :20] = torch.randn(1, cfg.num_key_value_heads, 20, cfg.head_dim, generator=torch.Generator().manual_seed(3))
-            cache.values[:, :, :20] = torch.randn(1, cfg.num_key_value_heads, 20, cfg.head_dim, generator=torch.Generator().manual_seed(4))
+            shape = (1, cfg.num_key_value_heads, 20, cfg.head_dim)
+            cache.keys[:, :, :20] = torch.randn(*shape, generator=torch.Generator().manual_seed(3))
+            cache.values[:, :, :20] = torch.randn(*shape, generator=torch.Generator().manual_seed(4))
             return attention(x, cos, sin, mask, cache, 20)
 
         calls.clear()
@@ -209,12 +210,12 @@ def test_inputs_the_operator_does_not_take_go_to_transformers_sdpa(monkeypatch):
     monkeypatch.setattr(torch.ops.eagle, "row_attention", lambda *a: calls.append(1) or op(*a), raising=False)
     module = SimpleNamespace(is_causal=True, num_key_value_groups=H // HKV, training=False)
     g = torch.Generator().manual_seed(5)
+    rand = lambda *shape: torch.randn(*shape, generator=g)  # noqa: E731
     cases = [
-        (torch.randn(2, H, 3, D, generator=g), torch.randn(2, HKV, 9, D, generator=g), torch.randn(2, HKV, 9, D, generator=g)),
-        (torch.randn(1, H, 3, D, generator=g).bfloat16(), torch.randn(1, HKV, 9, D, generator=g).bfloat16(),
-         torch.randn(1, HKV, 9, D, generator=g).bfloat16()),
-        (torch.randn(1, H, 3, D, generator=g), torch.randn(1, HKV, 9, D, generator=g), torch.randn(1, HKV, 9, D // 2, generator=g)),
-    ]  # fmt: skip
+        (rand(2, H, 3, D), rand(2, HKV, 9, D), rand(2, HKV, 9, D)),  # a batch
+        tuple(t.bfloat16() for t in (rand(1, H, 3, D), rand(1, HKV, 9, D), rand(1, HKV, 9, D))),  # another dtype
+        (rand(1, H, 3, D), rand(1, HKV, 9, D), rand(1, HKV, 9, D // 2)),  # values narrower than keys
+    ]
     for q, k, v in cases:
         mask = torch.ones(q.shape[0], 1, 3, 9, dtype=torch.bool).tril(6)
         out, _ = row_attention.attention(module, q, k, v, mask)
