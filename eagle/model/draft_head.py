@@ -26,7 +26,7 @@ from transformers import LlamaConfig
 from transformers.activations import ACT2FN
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
-from . import panel_kernel, quant_panels
+from . import quant_panels, row_attention
 
 
 VARIANT_DEFAULTS = {
@@ -198,9 +198,10 @@ class DraftAttention(nn.Module):
             cache.keys[:, :, write_at:end] = ks
             cache.values[:, :, write_at:end] = vs
             k_all, v_all = cache.keys[:, :, :end], cache.values[:, :, :end]
-        if mask is not None and qs.device.type == "cpu" and qs.dtype == torch.float32 and panel_kernel.loaded():
-            # the kernel library's attention (row_attention.cpp): a few rows over a long cache in a fraction of
-            # the time of ATen's flash attention, which is blocked for many rows
+        if mask is not None and row_attention.applies(qs, k_all, v_all, mask):
+            # the kernel library's attention (row_attention.py): a few rows over a long cache in a fraction of the
+            # time of ATen's flash attention, which is blocked for many rows (None is causal to the operator, not
+            # to SDPA: a mask of its own)
             out = torch.ops.eagle.row_attention(qs, k_all, v_all, mask, self.head_dim**-0.5)  # [1, q, H, D]
             return self.o_proj(out.reshape(b, q, -1))
         out = F.scaled_dot_product_attention(

@@ -74,6 +74,8 @@ class CompiledRound(EagerRound):
         self.draft_graph = _draft_graph(step, shape)
         # with chains: the draft step over a commit of the head's depth (commit_of), the plain shape's graph
         self.short_draft_graph = _draft_graph(step, shape.without_chains) if shape.chain else None
+        # commit rows -> the draft graph of that commit (without chains the two sizes are one: the shape's own graph)
+        self.draft_graphs = {shape.head_commit_rows: self.short_draft_graph, shape.commit_rows: self.draft_graph}
         self.verify_graph = BucketGraphs(verify, (shape.nodes,), (base.model,), "compiled verify steps")
         self.verify_chain_graphs = {  # chain nodes M -> the verify step's graph over the N + M rows
             m: BucketGraphs(verify_chain(m), (shape.nodes + m,), (base.model,),
@@ -83,9 +85,7 @@ class CompiledRound(EagerRound):
 
     def draft(self, cache, start: int, features, ids, n, root, rows: int | None = None) -> DeviceTree:
         features, ids = self.commit_of(features, ids, rows)
-        # the graph of the commit's rows (without chains the two sizes are one: the shape's own graph)
-        graph = {self.shape.head_commit_rows: self.short_draft_graph, self.shape.commit_rows: self.draft_graph}
-        graph = graph.get(ids.shape[0])
+        graph = self.draft_graphs.get(ids.shape[0])
         if start < 2 or graph is None:  # a prompt's commit: its own rows
             return super().draft(cache, start, features, ids, n, root)
         static_rows((features, 0), (features, 1), (ids, 0))

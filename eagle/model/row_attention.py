@@ -19,6 +19,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from . import panel_kernel
+
 NAME = "eagle_rows"  # the attention implementation's name in transformers' registries
 
 
@@ -27,18 +29,23 @@ def attention(module, query, key, value, attention_mask, dropout: float = 0.0, s
     additive or bool [b, 1, q, >= L] or None (causal) -> ([b, q, Hq, D], None). The operator where it applies (one
     sequence, float32 on the CPU, keys and values of one width), else transformers' SDPA (a batch of padded prompts,
     another dtype, a base whose values are narrower than its keys)."""
-    fits = (
-        query.shape[0] == 1 and query.device.type == "cpu" and value.shape[-1] == query.shape[-1] == key.shape[-1]
-        and query.dtype == key.dtype == value.dtype == torch.float32 and dropout == 0.0
-        and (attention_mask is None or attention_mask.shape[0] == 1)
-    )  # fmt: skip
-    if not fits:
+    if dropout != 0.0 or not applies(query, key, value, attention_mask):
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)  # fmt: skip
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     return torch.ops.eagle.row_attention(query, key, value, attention_mask, scale), None
+
+
+def applies(query, key, value, mask) -> bool:
+    """Whether the operator takes these inputs: one sequence, float32 on the CPU, keys and values of the query's width,
+    a mask of one sequence or None, and the kernel library loaded."""
+    return (
+        query.shape[0] == 1 and query.device.type == "cpu" and value.shape[-1] == query.shape[-1] == key.shape[-1]
+        and query.dtype == key.dtype == value.dtype == torch.float32 and (mask is None or mask.shape[0] == 1)
+        and panel_kernel.loaded()
+    )  # fmt: skip
 
 
 def _register() -> None:
