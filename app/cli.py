@@ -161,7 +161,8 @@ def start_compiled_rounds(engine, loaded, mode: str, log=lambda line: print(f"[c
     if mode == "off":
         return
     if loaded.device != "cpu":
-        compile_rounds(loaded.model, mode, log)
+        if compile_rounds(loaded.model, mode, log):
+            loaded.model.try_compile_round(log)  # the greedy round's own graphs (eagle/model/cuda_round.py)
         engine.info.update(describe_forwards(loaded.model))
         engine.describe_context()
         return

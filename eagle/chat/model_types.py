@@ -243,10 +243,10 @@ def forwards_description(model) -> str:
     text = f"compiled ({compiled.kind}; {'/'.join(map(str, compiled.buckets))}-row graphs)" if compiled else "eager"
     if model.compiled_draft is not None:
         text += f"; draft steps compiled in {model.ea_layer.dtype_name}"
-    shapes = [s for s, r in model.compiled_rounds.items() if r.step.head is model.ea_layer] if compiled else []
-    if shapes:
-        text += "; greedy rounds in two compiled steps (draft, verify) for trees of " + ", ".join(
-            f"{s.nodes} nodes" + (f" (+ a context chain of {s.chain})" if s.chain else "") for s in shapes)
+    rounds = [(s, r) for s, r in model.compiled_rounds.items() if r.step.head is model.ea_layer] if compiled else []
+    if rounds:
+        text += f"; greedy rounds in {rounds[0][1].steps_text} for trees of " + ", ".join(
+            f"{s.nodes} nodes" + (f" (+ a context chain of {s.chain})" if s.chain else "") for s, _ in rounds)
     plan = few_rows.plan_of(model.base_model)
     if plan:
         kernels = {}

@@ -59,6 +59,8 @@ BASES = {
         tau=6.13, tau_source="EAGLE-3 paper, LLaMA-3.1-8B, MT-bench, T=0"),
 }  # fmt: skip
 TREE = (60, 7, 10)  # total_token, depth, top_k: EAGLE-2's GPU default
+# trees whose graphed round is timed (`round_trees`), with the tau the head's acceptance profile predicts for each
+ROUND_TREES = ((60, 7, 10), (32, 6, 8), (24, 5, 6), (16, 4, 4), (10, 3, 3))
 
 
 def log(msg: str) -> None:
@@ -145,8 +147,9 @@ def build_model(name: str, dtype: torch.dtype, device: torch.device, scale: int 
 
 def graph(model, capture: bool, direct: bool = False) -> dict:
     """The graphed rounds in use: on CUDA the app's route (tuner.compile_rounds with --compile on: CUDA graphs of
-    the base's passes and the head's steps, timed against eager once); with capture off the same runners built
-    directly (what the tests do). Returns what it said and the seconds it took."""
+    the base's passes and the head's steps, timed against eager once), then the greedy round's own graphs for the
+    tree (cuda_round.py: draft, verify, keep); with capture off the same runners built directly (what the tests
+    do). Returns what it said and the seconds it took."""
     from eagle.model.cuda_graphs import BUCKETS, DRAFT_BUCKETS, GraphedDecode, GraphedDraft
     from eagle.model.draft import HeadStep
     from eagle.model.tuner import compile_rounds
@@ -161,7 +164,49 @@ def graph(model, capture: bool, direct: bool = False) -> dict:
         model.base.compiled.warm(lines.append)
         model.compiled_draft.warm(lines.append)
         in_use = True
+    if in_use:
+        model.try_compile_round(lines.append)
     return {"in_use": in_use, "seconds": time.perf_counter() - t0, "log": lines}
+
+
+@contextlib.contextmanager
+def forward_graphs_only(model):
+    """EAGLE rounds on the forwards' graphs alone (a graph per base pass and per draft level, the tree's selection
+    eager between them: the path before the round's own graphs), for comparison in the same run."""
+    saved = dict(model.compiled_rounds)
+    model.compiled_rounds.clear()
+    try:
+        yield
+    finally:
+        model.compiled_rounds.update(saved)
+
+
+def round_trees(model, ids: torch.Tensor, new: int, step_ms: float, tau: float, head) -> dict:
+    """Per tree of ROUND_TREES: the graphed round's ms (random weights: about one token a round, so ms per
+    forward is a round's cost; the keep step, which runs only when drafts are accepted, is left out), in vanilla
+    steps, the tau the head's acceptance profile predicts (the measured tau for TREE where it has none) and the
+    projected speedup tau x step / round."""
+    from eagle.model.checkpoint import read_acceptance_profile
+    from eagle.model.generate import TreeSpec
+    from eagle.model.tuner import expected_tau
+
+    profile = read_acceptance_profile(str(head)) if isinstance(head, Path) else None
+    accept = profile["accept"]["0"] if profile else None
+    before, out = model.tree, {}
+    try:
+        for total, depth, top_k in ROUND_TREES:
+            model.tree = TreeSpec(total, depth, top_k)
+            t0 = time.perf_counter()
+            model.compile_round()
+            capture_s = time.perf_counter() - t0
+            ms = engine_tokens_per_s(model, ids, new, eagle=True)["ms_per_forward"]
+            t = expected_tau(accept, total, depth, top_k) if accept else (tau if (total, depth, top_k) == TREE else None)
+            out[f"{total}/{depth}/{top_k}"] = {
+                "round_ms": ms, "round_in_steps": ms / step_ms, "tau": t, "capture_s": capture_s,
+                "projected_speedup_vs_vanilla": t * step_ms / ms if t else None}  # fmt: skip
+    finally:
+        model.tree = before
+    return out
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -362,10 +407,24 @@ def measure(name: str, device: torch.device, args, save=lambda r: None) -> dict:
     stage("graphs", lambda: graph(model, device.type == "cuda", args.direct))
     stage("vanilla", lambda: engine_tokens_per_s(model, ids, args.new_tokens, eagle=False))
     stage("eagle_random_acceptance", lambda: engine_tokens_per_s(model, ids, args.new_tokens, eagle=True))
+
+    def forward_graphs():
+        with forward_graphs_only(model):
+            return engine_tokens_per_s(model, ids, args.new_tokens, eagle=True)
+
+    stage("eagle_forward_graphs", forward_graphs)
+    stage("round_trees", lambda: round_trees(model, ids, args.new_tokens, r["vanilla"]["ms_per_forward"],
+                                             spec["tau"], spec["head"] if args.scale == 1 else None))  # fmt: skip
     stage("pass_ms", lambda: {c: {rows: pass_ms(model, rows, c) for rows in args.rows} for c in contexts})
     stage("replay_kernels", lambda: {rows: replay_kernels(model, rows) for rows in (1, max(args.rows))})
     stage("phases", lambda: phase_profile(model, ids))
     stage("runtime_calls_per_round", lambda: runtime_calls_per_round(model, ids))
+
+    def forward_graph_calls():
+        with forward_graphs_only(model):
+            return runtime_calls_per_round(model, ids)
+
+    stage("runtime_calls_per_round_forward_graphs", forward_graph_calls)
     stage("attention_ms", lambda: {c: {rows: attention_ms(base.config, dtype, device, c, rows, CAPACITY + 64)
                                        for rows in (1, 64)} for c in contexts})  # fmt: skip
     if isinstance(spec["head"], Path) and args.scale == 1:  # the tree the tuner picks here for the real head
@@ -380,11 +439,14 @@ def measure(name: str, device: torch.device, args, save=lambda r: None) -> dict:
 
 
 def project(r: dict) -> None:
-    """Round in vanilla steps and the projected speedup (tau x step / round) from the unprofiled phase run."""
-    phases, vanilla = r.get("phases", {}), r.get("vanilla", {})
-    if "round_ms_unprofiled" in phases and "ms_per_forward" in vanilla:
+    """Round in vanilla steps and the projected speedup (tau x step / round) from the unprofiled phase run, else
+    from the EAGLE run's ms per forward (random weights: about one token a round)."""
+    phases, vanilla, eagle = r.get("phases", {}), r.get("vanilla", {}), r.get("eagle_random_acceptance", {})
+    round_ms = phases.get("round_ms_unprofiled") or eagle.get("ms_per_forward")
+    if round_ms and "ms_per_forward" in vanilla:
         step = vanilla["ms_per_forward"]
-        r["round_in_steps"] = phases["round_ms_unprofiled"] / step
+        r["round_ms"] = round_ms
+        r["round_in_steps"] = round_ms / step
         r["projected_speedup_vs_vanilla"] = r["tau"] / r["round_in_steps"]
         hf = r.get("hf_generate")
         if isinstance(hf, float):
@@ -398,7 +460,7 @@ def table(results: list[dict]) -> str:
     lines = ["| base | hf tok/s | hf static+compile | vanilla tok/s | step ms | floor ms | widest pass (steps) | "
              "round ms (steps) | projected vs vanilla (tau) |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in results:
-        van, ph = r.get("vanilla", {}), r.get("phases", {})
+        van = r.get("vanilla", {})
         passes = r.get("pass_ms", {})
         c = passes.get(min(passes, default=0), {}) if isinstance(passes, dict) and "error" not in passes else {}
         step = van.get("ms_per_forward")
@@ -408,7 +470,7 @@ def table(results: list[dict]) -> str:
             f"{num(r.get('hf_generate_static_compiled'))} | {num(van.get('tokens_per_s'))} | {num(step, '{:.2f}')} | "
             f"{num(r.get('floor_ms'), '{:.2f}')} | "
             f"{num(wide, '{:.2f}')} ({num(wide / c[1] if wide and c.get(1) else None, '{:.2f}')}) | "
-            f"{num(ph.get('round_ms_unprofiled'), '{:.2f}')} ({num(r.get('round_in_steps'), '{:.2f}')}) | "
+            f"{num(r.get('round_ms'), '{:.2f}')} ({num(r.get('round_in_steps'), '{:.2f}')}) | "
             f"{num(r.get('projected_speedup_vs_vanilla'), '{:.2f}x')} ({r['tau']}) |")  # fmt: skip
     return "\n".join(lines)
 

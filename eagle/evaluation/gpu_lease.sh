@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One GPU lease's measurements, run on the device machine from the repository root with OUT set (the device tool's
 # output folder); each stage is bounded so that the whole fits a 10-minute call. Results come back as
-# $OUT/env.log, $OUT/stages.log (every stage's output) and $OUT/{smollm2,llama,hf}/gpu_costs.json.
+# $OUT/env.log, $OUT/stages.log (every stage's output) and $OUT/{smollm2,llama,hf}/gpu_costs.json: the graphed round
+# (cuda_round.py) beside the forwards' graphs alone, per tree, the GPU tests, HF's compiled static-cache generate.
 # transformers' tested minor travels as a wheel in .whl/ (the image's is older; requirements.txt), fetched here with
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 -d .whl transformers==5.23.0
 # and named in the call's carry: run(command="bash eagle/evaluation/gpu_lease.sh", carry=[".whl"]).
@@ -23,11 +24,13 @@ stage() {  # stage NAME SECONDS COMMAND...: the command's output appended to $OU
   echo "=== $name: exit $? $(date +%T)"; cat "/tmp/$name.log" >>"$OUT/stages.log"; tail -n 12 "/tmp/$name.log"
 }
 
-stage smollm2 120 python3 -m eagle.evaluation.gpu_costs --bases smollm2-135m --out "$OUT/smollm2"
-stage llama 150 python3 -m eagle.evaluation.gpu_costs --bases llama-3.2-1b,llama-3.1-8b --direct --out "$OUT/llama"
-stage batch_generate 90 bash -c 'for b in 256 512 1024; do python3 -m eagle.train.batch_generate --config smollm2 \
-  --batch $b --prompt-len 128 --new-tokens 512 --dtype bfloat16; done'
+COSTS="python3 -m eagle.evaluation.gpu_costs --direct --rows 1,8,16,32,64 --contexts 256,1024"
+ROUND=graphs,vanilla,eagle_random_acceptance,eagle_forward_graphs,round_trees,runtime_calls_per_round
+ROUND=$ROUND,runtime_calls_per_round_forward_graphs,pass_ms
+stage smollm2 150 $COSTS --bases smollm2-135m --stages hf_generate,$ROUND --out "$OUT/smollm2"
+stage pytest_gpu 150 python3 -m pytest -m gpu tests/test_cuda_round.py tests/test_gpu.py tests/test_cuda_graphs.py -q \
+  -p no:cacheprovider
+stage llama 150 $COSTS --bases llama-3.1-8b --stages $ROUND --out "$OUT/llama"
 # HF generate with a static cache compiles its forward for about a minute first
 stage hf_compiled 120 python3 -m eagle.evaluation.gpu_costs --bases smollm2-135m --stages hf_generate_static_compiled \
   --hf-compile smollm2-135m --out "$OUT/hf"
-stage pytest_gpu 90 python3 -m pytest -m gpu tests/test_gpu.py tests/test_cuda_graphs.py tests/test_batch_generate.py -q -p no:cacheprovider

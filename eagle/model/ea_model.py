@@ -142,7 +142,7 @@ class EaModel(nn.Module):
                 model.tune_tree()
             else:
                 model.tree = TreeSpec(model.pick_total_token(), depth, top_k, model.tree.choices)
-        if compile != "off" and model.base.compiled is not None and not hasattr(model.base.compiled, "lease"):
+        if compile != "off" and model.base.compiled is not None:
             model.try_compile_round(log or (lambda line: None))
         return model.eval()
 
@@ -178,9 +178,9 @@ class EaModel(nn.Module):
     def round_runner(self, tree: TreeSpec, picker: TokenPicker):
         """The runner of greedy dynamic-tree rounds in two steps (round_graphs.py): eager while the base runs
         eagerly, the compiled one for this tree's shape while the base's graphs are in use (`compile_round`). None
-        where `eagle_rounds` runs the round instead: sampling, static trees, CUDA graphs (their own caches), and a
-        tree shape whose steps are not compiled (the forwards' graphs serve it)."""
-        if not picker.params.greedy or tree.choices or hasattr(self.base.compiled, "lease"):
+        where `eagle_rounds` runs the round instead: sampling, static trees, and a tree shape whose steps are not
+        compiled (the forwards' graphs serve it)."""
+        if not picker.params.greedy or tree.choices:
             return None
         shape = self.shape_of(tree)
         if self.base.compiled is None:
@@ -193,7 +193,8 @@ class EaModel(nn.Module):
         tree in use), compiled now; used while the base's graphs are (`self.base.compiled`). Where the head was
         compiled in two dtypes (`draft_options`), the round is compiled with each and the head whose draft step
         times faster here is put in use. context_drafts: the shape of rounds with context drafts (a third graph:
-        verify with a chain), with the head in use. CPU only (inductor). Returns the CompiledRound."""
+        verify with a chain), with the head in use. On CUDA, CUDA graphs of the same steps (cuda_round.py; a context
+        chain's pass runs eagerly there). Returns the runner."""
         tree = replace(tree or self.tree, chain=self.context_chain if context_drafts else 0)
         shape = self.shape_of(tree)
         several = self.draft_options and len(self.draft_options) > 1 and not context_drafts
@@ -296,9 +297,9 @@ class EaModel(nn.Module):
             runner = self.round_runner(tree, picker)
             if runner is not None:
                 shape = runner.shape
-                draft_cache = self.ea_layer.new_cache(
-                    input_ids.shape[1] + budget.limit + shape.commit_rows + shape.draft_entries + 1)
-                yield from greedy_tree_rounds(self.base, runner, input_ids, budget, cache, draft_cache, context)
+                room = input_ids.shape[1] + budget.limit + shape.commit_rows + shape.draft_entries + 1
+                with runner.leased_draft_cache(room) as draft_cache:
+                    yield from greedy_tree_rounds(self.base, runner, input_ids, budget, cache, draft_cache, context)
                 return
             capacity = input_ids.shape[1] + budget.limit + tree.max_draft_entries + 1
             with Drafter(self.ea_layer, self.base.lm_head, capacity, self.compiled_draft) as drafter:

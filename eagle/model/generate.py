@@ -186,7 +186,7 @@ def greedy_tree_rounds(
     base: BaseModel, runner, input_ids: torch.Tensor, budget: Budget, cache, draft_cache,
     context: ContextDrafter | None = None,
 ) -> Iterator[Round]:  # fmt: skip
-    """Greedy EAGLE-2 rounds, each two calls of `runner` (round_graphs.py: `draft`, then `verify`) and one host read;
+    """Greedy EAGLE-2 rounds, each three calls of `runner` (round_graphs.py: `draft`, `verify`, `keep`) and one host read;
     the same tokens as `eagle_rounds` with a greedy picker. draft_cache: the head's, with room for the prompt, the
     budget, one commit and one tree (round_steps.TreeShape). context: context drafts offered beside the head's
     tree (the runner's shape has room for them)."""
@@ -212,9 +212,7 @@ def greedy_tree_rounds(
         packet = verdict.packet.tolist()  # the round's one host read
         n, root_id, from_context = packet[0], packet[depth + 1], packet[depth + 2]  # n: path nodes, root included
         path = packet[depth + 3 : depth + 3 + n]
-        # the path's rows stay (none copied where in place already); outside the verify graph, which would copy
-        # every layer's whole buffer to rewrite the cache it has just written
-        cache.compact([committed + i for i in path], committed)
+        runner.keep(cache, committed, path, verdict)
         new_tokens = packet[1:n] + [root_id]
         tokens, stop = budget.take(new_tokens)
         accepted, seconds = min(n - 1, len(tokens)), time.perf_counter() - t0

@@ -2,17 +2,20 @@
 
     runner.draft(cache, start, features, ids, n, root, rows) -> DeviceTree   (rows: the commit's real rows, a host
                                                                  count; None = unknown)
-    runner.verify(cache, committed, tree, chain) -> Verdict   (chain: a context draft added first, or None; the
-                                                             caller keeps the accepted path's KV rows)
+    runner.verify(cache, committed, tree, chain) -> Verdict   (chain: a context draft added first, or None)
+    runner.keep(cache, committed, path, verdict)                (the accepted path's KV rows kept, the rest dropped)
+    with runner.leased_draft_cache(capacity) as draft_cache: ...  (the head's cache for one generation)
 
-`EagerRound` calls the step functions; `CompiledRound` runs each as one inductor graph per tree shape, with the
+`EagerRound` calls the step functions; `CompiledRound` (CPU) runs each as one inductor graph per tree shape, with the
 machinery of the base's graphs (compiled.py: weights frozen, the panel kernel for float32 linears, the context
 length symbolic), and calls the step functions eagerly where a graph does not apply: a prompt's commit (its rows are
-not the shape's) and contexts of 0 or 1 rows (dynamo would specialise those ints into graphs of their own).
+not the shape's) and contexts of 0 or 1 rows (dynamo would specialise those ints into graphs of their own). On
+CUDA, cuda_round.py's `CudaRound` captures the same steps as CUDA graphs.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import torch
@@ -53,10 +56,22 @@ class EagerRound:
         with few_row_kernels():
             return verify_step(self.base, cache, committed, tree, self.shape)
 
+    def keep(self, cache, committed: int, path: list[int], verdict: Verdict) -> None:
+        """Keep the accepted path's KV rows (path: its nodes, root first) at positions committed.. of the base's
+        cache and drop the rest of the tree's: no row copied where the path is in place already."""
+        cache.compact([committed + i for i in path], committed)
+
+    @contextlib.contextmanager
+    def leased_draft_cache(self, capacity: int):
+        """The head's cache for one generation of `capacity` positions."""
+        yield self.step.head.new_cache(capacity)
+
 
 class CompiledRound(EagerRound):
     """The draft step and the verify step, each one graph for this tree shape (compiled on first use or `warm`), and
     with context chains in the shape, a verify graph for trees that carry one, per chain size (`verify_chain`)."""
+
+    steps_text = "two compiled steps (draft, verify)"  # the Model panel's words
 
     def __init__(self, base, step: HeadStep, shape: TreeShape):
         super().__init__(base, step, shape)

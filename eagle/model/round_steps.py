@@ -7,8 +7,10 @@
 
 Nothing inside either reads the device from the host: the accepted path, its length and the next root stay tensors
 and feed the next round's `draft_step` directly. The host reads one small tensor a round (`Verdict.packet`).
-Shapes are static for a tree shape (top_k, depth, total_token); the context length is the only symbolic size.
-Run eagerly, these functions are the reference the compiled graphs are tested against.
+Shapes are static for a tree shape (top_k, depth, total_token); the context length is the only symbolic size, or,
+with `span` given, none: the keys are then the cache's first `span` positions and the context length a [] tensor
+(CUDA graphs, cuda_round.py). Run eagerly, these functions are the reference the compiled graphs are tested
+against.
 
 Shapes: N = tree nodes with the root (the head's; + M context nodes after `attach_chain`), D = the deepest node's
 depth, C = commit rows (D + 1: the longest accepted path with the root; a prompt's commit is its length), P = context
@@ -22,7 +24,7 @@ from typing import NamedTuple
 
 import torch
 
-from .masks import additive_mask, tree_mask
+from .masks import additive_mask, tree_mask, with_tree
 from .tree import ancestors_on_device
 
 
@@ -105,32 +107,39 @@ class Verdict(NamedTuple):
 
 
 # -------------------------------------------------------------------------------------------------------------
-def draft_step(step, cache, start: int, features, ids, n, root, shape: TreeShape) -> DeviceTree:
+def draft_step(step, cache, start, features, ids, n, root, shape: TreeShape, span: int | None = None) -> DeviceTree:
     """Commit n rows at draft position `start`, then draft a tree under `root`.
 
     step: draft.HeadStep; cache: the head's DraftKVCache with `start` committed rows; features [C, F or H] and ids
     [C] the commit (rows >= n are padding, ignored); n, root [] long. Padding rows are written after the real ones
     and no real row attends to them; tree entries go after all C rows and are overwritten by the next commit, so the
-    caller sets `cache.length = start + n` afterwards."""
+    caller sets `cache.length = start + n` afterwards. span: None (start an int, the keys end at the last row
+    written) or the keys' static width (start a [] long tensor; the commit and the tree fit in the span)."""
     head = step.head
     device = ids.device
     C = ids.shape[0]
     hidden = features[None].to(head.fc.weight.dtype)  # [1, C, F]
     if head.eagle3 and hidden.shape[-1] != head.config.hidden_size:
         hidden = head.fuse(hidden)  # [1, C, H]
-    positions = (start + torch.arange(C, device=device))[None]  # [1, C]
-    causal = torch.ones(C, start + C, dtype=torch.bool, device=device).tril(start)  # [C, start + C]
-    out = head(hidden, ids[None], positions, additive_mask(causal, hidden.dtype), cache, start)[0]  # [C, H]
+    at = start + torch.arange(C, device=device)  # [C] the rows' positions
+    if span is None:
+        causal, write = torch.ones(C, start + C, dtype=torch.bool, device=device).tril(start), start  # [C, start + C]
+    else:
+        causal, write = torch.arange(span, device=device)[None] <= at[:, None], at  # [C, span]
+    out = head(hidden, ids[None], at[None], additive_mask(causal, hidden.dtype), cache, write)[0]  # [C, H]
     last = out.index_select(0, (n - 1).reshape(1))  # [1, H]
-    return grow_tree(step, cache, start, C, start + n, last, step.log_probs(last), root, shape)
+    return grow_tree(step, cache, start, C, start + n, last, step.log_probs(last), root, shape, span)
 
 
-def grow_tree(step, cache, start: int, gap: int, committed, last, log_probs, root, shape: TreeShape) -> DeviceTree:
+def grow_tree(
+    step, cache, start, gap: int, committed, last, log_probs, root, shape: TreeShape, span: int | None = None
+) -> DeviceTree:
     """EAGLE-2: expand the top_k best nodes per level by cumulative log-probability (a beam of width top_k), then
     keep the nodes - 1 best of all candidates seen.
 
     The draft cache holds `committed` ([] long) real rows from 0, then rows up to start + gap nobody may see; tree
     entries are written from start + gap. last [1, H], log_probs [1, Vd]: the head at the last committed row.
+    span: as `draft_step` (start an int, or a [] tensor and the keys `span` wide).
 
     Ancestor closure: a child's score is its parent's plus a log-prob <= 0, so it never beats its parent; a stable
     sort breaks ties in favour of the lower pool index, which is the parent's (the pool is level-ordered). So every
@@ -145,13 +154,15 @@ def grow_tree(step, cache, start: int, gap: int, committed, last, log_probs, roo
     frontier = torch.arange(k, device=device)  # [k] pool indices of the frontier
     hidden = last.expand(k, -1)  # [k, H] the frontier's parents' outputs
     ancestors = torch.eye(k, dtype=torch.bool, device=device)  # [k, written + k] over tree entries
-    seen = torch.arange(start + gap, device=device) < committed  # [start + gap] the committed rows
+    tree_at = start + gap  # the first tree entry's position
+    seen = torch.arange(tree_at if span is None else span, device=device) < committed  # [keys] the committed rows
     pool_size, written = k, 0
     for level in range(1, shape.levels + 1):
-        allowed = torch.cat([seen.expand(k, -1), ancestors], dim=1)  # [k, start + gap + written + k]
+        allowed = with_tree(seen, ancestors, tree_at, span)  # [k, tree_at + written + k] or [k, span]
         positions = (committed + level - 1).expand(1, k)  # [1, k] all nodes of a level share a position
-        out, lp = step(hidden[None], tokens[None], positions, additive_mask(allowed, dtype), cache,
-                       start + gap + written)  # fmt: skip  # [k, H], [k, Vd]
+        write = tree_at + written if span is None else tree_at + written + torch.arange(k, device=device)
+        out, lp = step(hidden[None], tokens[None], positions, additive_mask(allowed, dtype), cache, write)
+        # out [k, H], lp [k, Vd]
         written += k
         child_lp, child_ids = lp.topk(k, dim=-1)  # [k, k]
         cumulative = (child_lp + scores[:, None]).flatten()  # [k * k] path log-probs
@@ -180,14 +191,15 @@ def grow_tree(step, cache, start: int, gap: int, committed, last, log_probs, roo
 
 
 # -------------------------------------------------------------------------------------------------------------
-def verify_step(base, cache, committed: int, tree: DeviceTree, shape: TreeShape) -> Verdict:
+def verify_step(base, cache, committed, tree: DeviceTree, shape: TreeShape, span: int | None = None) -> Verdict:
     """The base pass over the tree's N nodes after `committed` cached positions, and greedy acceptance.
 
     base: base.BaseModel (its `decode`, the forward itself); cache: its TreeKVCache at length `committed`, which the
     pass writes the N nodes' rows after; the caller then keeps the path's (`packet`). Nodes from `shape.nodes` on are
-    context nodes (`attach_chain`)."""
+    context nodes (`attach_chain`). span: None (committed an int) or the keys' static width (committed a [] long
+    tensor; a static cache writing at positions committed.. and reading `span` positions, kv_cache.StaticLayer)."""
     ids, depth, ancestors = tree.tokens, tree.depth, tree.ancestors
-    mask = tree_mask(committed, ancestors, base.dtype, ids.device)  # [1, 1, N, committed + N]
+    mask = tree_mask(committed, ancestors, base.dtype, ids.device, span)  # [1, 1, N, committed + N or span]
     inputs = ids.clamp(min=0)[None]  # [1, N] padding nodes read token 0
     logits, features = base.decode(inputs, (committed + depth)[None], mask, cache, True, False)  # [N, V], [N, F]
     draws = logits.argmax(dim=-1)  # [N] the base's token after each node

@@ -1,5 +1,5 @@
 """The one place that picks how compiled passes run on a device: inductor graphs on a CPU (compiled.py,
-compiled_draft.py, round_graphs.py), CUDA graphs on CUDA (cuda_graphs.py). Each builder returns a runner that its
+compiled_draft.py, round_graphs.py), CUDA graphs on CUDA (cuda_graphs.py, cuda_round.py). Each builder returns a runner that its
 caller puts in use (`BaseModel.compiled`, `EaModel.compiled_draft`, `EaModel.compiled_rounds`); the algorithm
 (generate.py, draft.py, round_steps.py) never imports this module.
 """
@@ -7,6 +7,7 @@ caller puts in use (`BaseModel.compiled`, `EaModel.compiled_draft`, `EaModel.com
 from __future__ import annotations
 
 from . import compiled, compiled_draft, cuda_graphs, few_rows
+from .cuda_round import CudaRound
 from .round_graphs import CompiledRound
 from .round_steps import TreeShape
 
@@ -45,9 +46,10 @@ def draft_graphs(step, buckets=None):
     return compiled_draft.CompiledDraft(step, buckets or compiled_draft.DRAFT_BUCKETS)
 
 
-def round_graphs(base, step, shape: TreeShape) -> CompiledRound:
-    """A greedy round's draft and verify steps, one graph each for `shape` (CPU: inductor)."""
-    if on_cuda(base.lm_head):
-        raise ValueError("the round's two-step graphs are built for CPU (inductor); on CUDA the forwards' CUDA "
-                         "graphs run the rounds (runners.decode_graphs)")  # fmt: skip
+def round_graphs(base, step, shape: TreeShape) -> CompiledRound | CudaRound:
+    """A greedy round's draft and verify steps, one graph each for `shape` (CPU: inductor), or where the base's
+    forwards are CUDA graphs, CUDA graphs of them per span of keys and one of the keep, over those graphs' static
+    cache and captured as they are (`decode_graphs` first)."""
+    if isinstance(base.compiled, cuda_graphs.GraphedDecode):
+        return CudaRound(base, step, shape, capture=base.compiled.steps.capture)
     return CompiledRound(base, step, shape)

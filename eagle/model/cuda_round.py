@@ -1,0 +1,168 @@
+"""A greedy EAGLE-2 round on CUDA in three graph replays: the draft step and the verify step (round_steps.py, the
+same functions the CPU compiles, called with a static `span` of keys) and the keeping of the accepted path's KV
+rows. The runner's interface is round_graphs.py's (`draft`, `verify`, `keep`).
+
+A graph holds the addresses and shapes it was captured with, so the round runs on static caches: the base's is
+the one its forwards' graphs own (cuda_graphs.GraphedDecode, leased per generation by `BaseModel.leased_cache`),
+the head's one of this runner's own (`leased_draft_cache`). The context length enters each graph as a [] tensor
+copied into its buffer; keys are read over the smallest span of the cache (cuda_graphs.SPANS) that holds the
+context and the rows written, so a graph per step and span serves every length. Everything between the host's one
+read a round (`Verdict.packet`) and the next draft stays on the device.
+
+Where a graph does not apply the step runs eagerly on the same caches (EagerRound): a prompt's commit (its own rows),
+a context chain, a cache not the runner's (a generation beside the one holding it), contexts past the last span.
+`capture=False` runs the same buffers and spans without capturing: how the tests check this path on a CPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import threading
+import time
+
+import torch
+
+from .compiled import bucket_for
+from .cuda_graphs import GraphedDecode, GraphedSteps, spans_of
+from .draft import HeadStep
+from .round_graphs import EagerRound
+from .round_steps import DeviceTree, TreeShape, Verdict, draft_step, verify_step
+
+
+class CudaRound(EagerRound):
+    """The draft and verify steps of one tree shape as CUDA graphs per span, and the keep as one more."""
+
+    steps_text = "three CUDA graphs (draft, verify, keep)"  # the Model panel's words
+
+    def __init__(self, base, step: HeadStep, shape: TreeShape, capture: bool | None = None):
+        super().__init__(base, step, shape)
+        self.decode = base.compiled
+        if not isinstance(self.decode, GraphedDecode):
+            raise ValueError("the round's CUDA graphs run on the base forwards' (cuda_graphs.GraphedDecode): put "
+                             "those in use first (runners.decode_graphs, or tuner.compile_rounds)")  # fmt: skip
+        head = step.head
+        device = head.fc.weight.device
+        self.draft_cache = head.new_cache(self.decode.capacity + shape.commit_rows + shape.draft_entries + 1)
+        self.draft_cache.keys.zero_()  # read by spans: no garbage (NaN) under a mask
+        self.draft_cache.values.zero_()
+        self.draft_spans = spans_of(self.draft_cache.capacity)
+        self.steps = GraphedSteps(device, device.type == "cuda" if capture is None else capture)
+        self._taken = threading.Lock()
+
+    @contextlib.contextmanager
+    def leased_draft_cache(self, capacity: int):
+        """The runner's draft cache for one generation, emptied, where it is free and large enough; else a new one
+        (then the draft steps run eagerly)."""
+        own = capacity <= self.draft_cache.capacity and self._taken.acquire(blocking=False)
+        if not own:
+            with super().leased_draft_cache(capacity) as cache:
+                yield cache
+            return
+        try:
+            self.draft_cache.length = 0
+            yield self.draft_cache
+        finally:
+            self._taken.release()
+
+    # ---------------------------------------------------------------------------------------------------------
+    def draft(self, cache, start: int, features, ids, n, root, rows: int | None = None) -> DeviceTree:
+        features, ids = self.commit_of(features, ids, rows)
+        C = ids.shape[0]
+        span = bucket_for(start + C + self.shape.draft_entries, self.draft_spans)
+        if cache is not self.draft_cache or C not in (self.shape.commit_rows, self.shape.head_commit_rows) or not span:
+            return super().draft(cache, start, features, ids, n, root)
+        inputs = (_position(start), features, ids, n, root)
+        return DeviceTree(*self.steps.run(("draft", C, span), functools.partial(self._draft, span=span), inputs))
+
+    def _draft(self, start, features, ids, n, root, span: int) -> DeviceTree:
+        """The captured draft step: start [] long, features [C, F], ids [C], n and root [] long."""
+        return draft_step(self.step, self.draft_cache, start, features, ids, n, root, self.shape, span)
+
+    def verify(self, cache, committed: int, tree: DeviceTree, chain=None) -> Verdict:
+        N = self.shape.nodes
+        span = bucket_for(committed + N, self.decode.spans)
+        if chain is not None or not self.decode.serves(cache) or not span:
+            return super().verify(cache, committed, tree, chain)
+        out = self.steps.run(("verify", span), functools.partial(self._verify, span=span),
+                             (_position(committed), *tree))  # fmt: skip
+        cache.crop_to(committed + N)  # the runner keeps the static cache's length (kv_cache.StaticLayer)
+        return Verdict(*out)
+
+    def _verify(self, committed, tokens, parents, depth, ancestors, span: int) -> Verdict:
+        """The captured verify step: committed [] long, the tree's tensors [N] and [N, N]; the N rows written at
+        positions committed.. of the base's static cache, its first `span` positions read."""
+        cache = self.decode.cache
+        cache.write_positions = committed + torch.arange(tokens.shape[0], device=tokens.device)  # [N]
+        cache.read_span = span
+        try:
+            tree = DeviceTree(tokens, parents, depth, ancestors)
+            return verify_step(self.base, cache, committed, tree, self.shape, span)
+        finally:
+            cache.write_positions = cache.read_span = None
+
+    def keep(self, cache, committed: int, path: list[int], verdict: Verdict) -> None:
+        if not self.decode.serves(cache) or path == list(range(len(path))):  # elsewhere, or in place already
+            return super().keep(cache, committed, path, verdict)
+        self.steps.run(("keep",), self._keep, (_position(committed), verdict.path))
+        cache.crop_to(committed + len(path))
+
+    def _keep(self, committed, path) -> tuple:
+        """The captured keep: every layer's rows committed + path[i] copied to committed + i (path [D + 1], 0 past
+        the path's end: those copies land past the new length, which the next pass overwrites)."""
+        target = committed + torch.arange(path.shape[0], device=path.device)  # [D + 1]
+        source = committed + path  # [D + 1]
+        for layer in self.decode.cache.layers:
+            if layer.is_initialized:
+                for buffer in (layer.keys, layer.values):  # [1, KV, capacity, D]
+                    buffer.index_copy_(2, target, buffer.index_select(2, source))
+        return ()
+
+    # ---------------------------------------------------------------------------------------------------------
+    def warm(self, log=None, context: int = 64) -> dict[str, float]:
+        """Capture every graph now: the draft and verify steps at every span (a round over dummy rows after
+        `context` positions, then at the end of each longer span) and the keep. Seconds per step."""
+        shape, base = self.shape, self.base
+        device = base.input_device
+        commits = sorted({shape.commit_rows, shape.head_commit_rows})
+        seconds = {}
+        with torch.inference_mode():
+            cache = self.decode.lease(context)
+            if cache is None:
+                raise RuntimeError("the base graphs' cache is in use: warm the round between generations")
+            try:
+                with self.leased_draft_cache(context) as draft_cache:
+                    base.forward(torch.zeros(1, context, dtype=torch.long, device=device),
+                                 torch.arange(context, device=device)[None], cache, last_logits_only=True)  # fmt: skip
+                    width = base.hidden_size * len(base.feature_layers) if base.feature_layers else base.hidden_size
+                    n, root = torch.tensor(2, device=device), torch.tensor(0, device=device)
+                    t0 = time.perf_counter()
+                    for C in commits:
+                        features = torch.zeros(C, width, dtype=base.dtype, device=device)
+                        ids = torch.zeros(C, dtype=torch.long, device=device)
+                        for span in self.draft_spans:
+                            tree = self.draft(draft_cache, max(context, span - C - shape.draft_entries), features,
+                                              ids, n, root)  # fmt: skip
+                    seconds["draft"] = time.perf_counter() - t0
+                    t0 = time.perf_counter()
+                    for span in self.decode.spans:
+                        committed = max(context, span - shape.nodes)
+                        cache.crop_to(committed)  # positions past `context` hold zeros: read masked
+                        verdict = self.verify(cache, committed, tree)
+                    seconds["verify"] = time.perf_counter() - t0
+                    t0 = time.perf_counter()
+                    self.keep(cache, committed, [0, 2], verdict)
+                    seconds["keep"] = time.perf_counter() - t0
+            finally:
+                self.decode.release(cache)
+        if log:
+            log(f"captured the round's draft, verify and keep steps as CUDA graphs in "
+                + " + ".join(f"{s:.1f}" for s in seconds.values()) + f" s ({len(self.draft_spans)} and "
+                f"{len(self.decode.spans)} spans; a tree of {shape.nodes} nodes, {shape.levels} draft levels of "
+                f"width {shape.top_k})")  # fmt: skip
+        return seconds
+
+
+def _position(value: int) -> torch.Tensor:
+    """A context length as the [] long tensor a graph's buffer takes (copied there by GraphedSteps.run)."""
+    return torch.tensor(value, dtype=torch.long)

@@ -1,0 +1,146 @@
+"""The CUDA round (eagle/model/cuda_round.py) on CPU, everything but the capture: the round's draft and verify steps
+over static spans of the caches with the context length a tensor, the accepted path kept by a third step, three
+steps a round. Greedy output equals transformers' greedy `generate` and the eager round's, across a span's end;
+on CUDA (marked gpu) the same captured, with three replays and one host read a round."""
+
+import pytest
+import torch
+from host_reads import HostReads
+from lossless_checks import PROMPTS
+from tiny import random_draft, save_base, tiny_base
+
+from eagle.model.checkpoint import read_checkpoint
+from eagle.model.cuda_graphs import GraphedDecode
+from eagle.model.cuda_round import CudaRound
+from eagle.model.draft import HeadStep
+from eagle.model.ea_model import EaModel, load_head
+from eagle.model.round_graphs import EagerRound
+from eagle.model.round_steps import TreeShape
+
+TREE = dict(total_token=8, depth=3, top_k=4)
+
+
+def round_model(tmp_path, eagle3: bool, device: str = "cpu", capacity: int = 512, **tree) -> EaModel:
+    base = tiny_base("llama").to(device)
+    draft = random_draft(base.cpu(), str(tmp_path), eagle3=eagle3, draft_vocab=12 if eagle3 else None)
+    head = load_head(base.to(device), *read_checkpoint(draft))
+    return EaModel(base, head, None, **(tree or TREE))
+
+
+def graph_round(model: EaModel, capture: bool = False, capacity: int = 512) -> CudaRound:
+    """The base's graphs and the round's, warmed and in use (what compile_rounds + compile_round do on CUDA)."""
+    model.base.compiled = GraphedDecode(model.base, (1, 8), capacity, capture)
+    model.base.compiled.warm()
+    shape = model.shape_of(model.tree)
+    runner = CudaRound(model.base, HeadStep(model.ea_layer, model.base.lm_head), shape, capture)
+    runner.warm()
+    model.compiled_rounds[shape] = runner
+    return runner
+
+
+def calls_of(runner: CudaRound, monkeypatch) -> dict:
+    """Counts the runner's graph calls by step (draft, verify, keep) and span until the test ends."""
+    counts = {}
+    original = runner.steps.run
+
+    def counted(key, fn, inputs):
+        counts[key] = counts.get(key, 0) + 1
+        return original(key, fn, inputs)
+
+    monkeypatch.setattr(runner.steps, "run", counted)
+    return counts
+
+
+def generate(base, ids, new):
+    return base.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=new,
+                         min_new_tokens=new, eos_token_id=None, pad_token_id=0).tolist()  # fmt: skip
+
+
+@pytest.mark.parametrize("eagle3", [False, True], ids=["eagle12", "eagle3"])
+def test_the_graphed_round_equals_greedy_generate_across_a_span_of_the_cache(tmp_path, monkeypatch, eagle3):
+    model = round_model(tmp_path, eagle3)
+    runner = graph_round(model)
+    calls = calls_of(runner, monkeypatch)
+    # 230 prompt tokens: the verify pass's keys cross the first span (256 positions) within the reply
+    prompt = torch.tensor([[(7 * i + 3) % 13 + 2 for i in range(230)]])
+    for ids, new in [(prompt, 60)] + [(torch.tensor([p]), 40) for p in PROMPTS]:
+        out, tokens, rounds = model.eagenerate(ids, max_new_tokens=new, stop_token_ids=[], log=True)
+        assert out.tolist() == generate(model.base_model, ids, new)
+    spans = {key[-1] for key in calls if key[0] == "verify"}
+    assert {256, 512} <= spans, calls  # two spans of the verify pass ran
+    assert calls.get(("keep",), 0) > 0  # some path was moved by the keep step
+    rounds_run = sum(n for key, n in calls.items() if key[0] == "verify")
+    # a draft graph every round but a prompt's commit of other than the shape's rows (one per generation)
+    assert sum(n for key, n in calls.items() if key[0] == "draft") >= rounds_run - 4
+
+
+def test_a_round_is_three_steps_and_equals_the_eager_round(tmp_path, monkeypatch):
+    model = round_model(tmp_path, eagle3=True)
+    runner = graph_round(model)
+    ids = torch.tensor([PROMPTS[1]])
+    graphed = model.eagenerate(ids, max_new_tokens=48, stop_token_ids=[]).tolist()
+    calls = calls_of(runner, monkeypatch)
+    stream = model.stream(ids, max_new_tokens=48, stop_token_ids=[])
+    next(stream)  # the prefill
+    rounds = sum(1 for _ in stream)
+    assert sum(calls.values()) <= 3 * rounds and sum(n for k, n in calls.items() if k[0] == "verify") == rounds
+    shape = model.shape_of(model.tree)
+    model.compiled_rounds[shape] = EagerRound(model.base, HeadStep(model.ea_layer, model.base.lm_head), shape)
+    assert model.eagenerate(ids, max_new_tokens=48, stop_token_ids=[]).tolist() == graphed
+
+
+def test_a_generation_beside_the_one_holding_the_rounds_caches_runs_eagerly_and_equally(tmp_path, monkeypatch):
+    model = round_model(tmp_path, eagle3=False)
+    runner = graph_round(model)
+    ids = torch.tensor([PROMPTS[2]])
+    alone = model.eagenerate(ids, max_new_tokens=32, stop_token_ids=[]).tolist()
+    holder = model.stream(torch.tensor([PROMPTS[0]]), max_new_tokens=32, stop_token_ids=[])
+    next(holder)
+    next(holder)  # holds the base graphs' cache and the round's draft cache
+    calls = calls_of(runner, monkeypatch)
+    assert model.eagenerate(ids, max_new_tokens=32, stop_token_ids=[]).tolist() == alone
+    assert not calls  # no graph ran for the second generation
+    holder.close()
+    assert model.eagenerate(ids, max_new_tokens=32, stop_token_ids=[]).tolist() == alone
+    assert calls  # the caches were given back
+
+
+def test_the_round_needs_the_base_graphs(tmp_path):
+    model = round_model(tmp_path, eagle3=False)
+    with pytest.raises(ValueError, match="GraphedDecode"):
+        CudaRound(model.base, HeadStep(model.ea_layer, model.base.lm_head), TreeShape.of(8, 3, 4), capture=False)
+
+
+def test_the_model_panel_names_the_rounds_graphs(tmp_path):
+    from eagle.chat.model_types import forwards_description
+
+    model = round_model(tmp_path, eagle3=False)
+    graph_round(model)
+    assert "greedy rounds in three CUDA graphs (draft, verify, keep) for trees of 8 nodes" in forwards_description(model)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.parametrize("eagle3", [False, True], ids=["eagle12", "eagle3"])
+def test_captured_round_on_cuda_equals_greedy_generate_in_three_replays_and_one_host_read(tmp_path, eagle3):
+    model = round_model(tmp_path, eagle3, device="cuda")
+    runner = graph_round(model, capture=True)
+    assert all(isinstance(g, torch.cuda.CUDAGraph) for g in runner.steps.graphs.values())
+    prompt = [(7 * i + 3) % 13 + 2 for i in range(230)]
+    for p, new in [(prompt, 60)] + [(p, 40) for p in PROMPTS]:
+        ids = torch.tensor([p])
+        ref = generate(model.base_model, ids.cuda(), new)
+        assert model.eagenerate(ids, max_new_tokens=new, stop_token_ids=[]).tolist() == ref
+    launches = []
+    original = torch.cuda.CUDAGraph.replay
+    stream = model.stream(torch.tensor([PROMPTS[0]]), max_new_tokens=32, stop_token_ids=())
+    next(stream)
+    try:
+        torch.cuda.CUDAGraph.replay = lambda g: (launches.append(g), original(g))[1]
+        with HostReads() as reads:
+            rounds = sum(1 for _ in stream)
+    finally:
+        torch.cuda.CUDAGraph.replay = original
+    assert sum(reads.count.values()) == rounds
+    assert len(launches) <= 3 * rounds
+
