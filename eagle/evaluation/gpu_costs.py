@@ -181,6 +181,42 @@ def forward_graphs_only(model):
         model.compiled_rounds.update(saved)
 
 
+def inductor_round(model, tree: tuple = TREE, new: int = 100, prompt: int = 64) -> dict:
+    """The vanilla step and the `tree` round as CUDA graphs of inductor's kernels (each graph compiled, then captured),
+    beside the same graphs of eager kernels (the ones in use), in one span of keys (prompt + new within the first):
+    tokens/s, ms per forward, the round in vanilla steps, and whether EAGLE's tokens equal vanilla's."""
+    from eagle.model.cuda_graphs import GraphedDecode
+    from eagle.model.cuda_round import CudaRound
+    from eagle.model.draft import HeadStep
+    from eagle.model.generate import TreeSpec
+
+    ids = prompt_ids(model.base.vocab_size, prompt)
+    before = model.base.compiled, dict(model.compiled_rounds), model.tree
+    torch._dynamo.config.recompile_limit = 64
+    out = {}
+    try:
+        model.tree = TreeSpec(*tree)
+        shape = model.shape_of(model.tree)
+        for kernels in ("eager", "inductor"):
+            model.base.compiled = GraphedDecode(model.base, (1,), CAPACITY, inductor=kernels == "inductor")
+            model.compiled_rounds.clear()
+            model.compiled_rounds[shape] = CudaRound(model.base, HeadStep(model.ea_layer, model.base.lm_head), shape)
+            t0 = time.perf_counter()
+            vanilla = engine_tokens_per_s(model, ids, new, eagle=False)
+            eagle = engine_tokens_per_s(model, ids, new, eagle=True)
+            same = (model.eagenerate(ids, max_new_tokens=new, stop_token_ids=[]).tolist()
+                    == model.naivegenerate(ids, max_new_tokens=new, stop_token_ids=[]).tolist())  # fmt: skip
+            out[kernels] = {"vanilla": vanilla, "eagle": eagle, "seconds": time.perf_counter() - t0,
+                            "round_in_steps": eagle["ms_per_forward"] / vanilla["ms_per_forward"],
+                            "eagle_equals_vanilla": same}  # fmt: skip
+            log(f"{kernels} kernels: {json.dumps(out[kernels])}")  # kept in the log if a later compile runs out of time
+    finally:
+        model.base.compiled, rounds, model.tree = before
+        model.compiled_rounds.clear()
+        model.compiled_rounds.update(rounds)
+    return out
+
+
 def round_trees(model, ids: torch.Tensor, new: int, step_ms: float, tau: float, head) -> dict:
     """Per tree of ROUND_TREES: the graphed round's ms (random weights: about one token a round, so ms per
     forward is a round's cost; the keep step, which runs only when drafts are accepted, is left out), in vanilla
@@ -415,6 +451,7 @@ def measure(name: str, device: torch.device, args, save=lambda r: None) -> dict:
     stage("eagle_forward_graphs", forward_graphs)
     stage("round_trees", lambda: round_trees(model, ids, args.new_tokens, r["vanilla"]["ms_per_forward"],
                                              spec["tau"], spec["head"] if args.scale == 1 else None))  # fmt: skip
+    stage("inductor_round", lambda: inductor_round(model, args.inductor_tree))
     stage("pass_ms", lambda: {c: {rows: pass_ms(model, rows, c) for rows in args.rows} for c in contexts})
     stage("replay_kernels", lambda: {rows: replay_kernels(model, rows) for rows in (1, max(args.rows))})
     stage("phases", lambda: phase_profile(model, ids))
@@ -487,11 +524,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--contexts", default="256,1024,4096", help="cached positions for pass and attention timings")
     p.add_argument("--hf-compile", default="", help="bases to also time HF generate with a static cache + compile")
     p.add_argument("--stages", default="", help="only these stages (comma-separated; 'graphs' is needed by most)")
+    p.add_argument("--inductor-tree", default="60/7/10", help="the tree of the inductor_round stage")
     p.add_argument("--direct", action="store_true", help="capture the graphs without the app's timing against eager")
     p.add_argument("--scale", type=int, default=1, help="divide widths (a quick check of the script on a CPU)")
     p.add_argument("--out", default="out/gpu_costs")
     args = p.parse_args(argv)
     args.rows = [int(x) for x in args.rows.split(",")]
+    args.inductor_tree = tuple(int(x) for x in args.inductor_tree.split("/"))
     args.contexts = [int(x) for x in args.contexts.split(",")]
     args.hf_compile = set(filter(None, args.hf_compile.split(",")))
     args.stages = set(filter(None, args.stages.split(",")))

@@ -50,11 +50,13 @@ def warm_lengths(spans: tuple[int, ...], rows: int, context: int) -> list[int]:
 
 class GraphedSteps:
     """One CUDA graph per key (a bucket of rows and its flags) of a function of static buffers, captured on the
-    key's first call."""
+    key's first call. inductor: the function compiled by inductor first (its fused kernels captured; a compile per
+    key, all shapes static), else its eager kernels."""
 
-    def __init__(self, device: torch.device, capture: bool):
+    def __init__(self, device: torch.device, capture: bool, inductor: bool = False):
         self.device = device
         self.capture = capture
+        self.inductor = inductor
         self.buffers: dict[tuple, tuple[torch.Tensor, ...]] = {}  # key -> static inputs
         self.outputs: dict[tuple, tuple] = {}  # key -> static outputs (captured)
         self.graphs: dict[tuple, object] = {}  # key -> torch.cuda.CUDAGraph, or the function (capture=False)
@@ -64,6 +66,8 @@ class GraphedSteps:
         """fn(*buffers) with `inputs` copied into the key's buffers (made like the key's first inputs; fn is
         captured then), through its graph; returns copies of the outputs."""
         if key not in self.buffers:
+            if self.inductor:
+                fn = torch.compile(fn, dynamic=False)
             self.buffers[key] = tuple(x.to(self.device, copy=True) for x in inputs)
             self.graphs[key] = self._capture(key, fn) if self.capture else fn
         for buffer, x in zip(self.buffers[key], inputs):
@@ -114,7 +118,8 @@ class GraphedDecode(LeasedCache):
 
     kind = "CUDA graphs"
 
-    def __init__(self, base, buckets=BUCKETS, capacity: int = CAPACITY, capture: bool | None = None):
+    def __init__(self, base, buckets=BUCKETS, capacity: int = CAPACITY, capture: bool | None = None,
+                 inductor: bool = False):  # fmt: skip
         device = base.lm_head.weight.device
         if {p.device for p in base.model.parameters()} != {device}:
             raise ValueError("CUDA graphs need the whole base on one device (device_map placed it on several)")
@@ -123,7 +128,7 @@ class GraphedDecode(LeasedCache):
         self.cache = TreeKVCache(base.num_layers, capacity + max(self.buckets), static=True)  # + a padded pass
         self.spans = spans_of(self.cache.capacity)
         self.capacity, self._taken = capacity, threading.Lock()
-        self.steps = GraphedSteps(device, device.type == "cuda" if capture is None else capture)
+        self.steps = GraphedSteps(device, device.type == "cuda" if capture is None else capture, inductor)
 
     def _empty(self) -> None:
         self.cache.crop_to(0)

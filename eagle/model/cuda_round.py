@@ -47,7 +47,8 @@ class CudaRound(EagerRound):
         self.draft_cache.keys.zero_()  # read by spans: no garbage (NaN) under a mask
         self.draft_cache.values.zero_()
         self.draft_spans = spans_of(self.draft_cache.capacity)
-        self.steps = GraphedSteps(device, device.type == "cuda" if capture is None else capture)
+        capture = device.type == "cuda" if capture is None else capture
+        self.steps = GraphedSteps(device, capture, self.decode.steps.inductor)  # inductor where the base's are
         self._taken = threading.Lock()
 
     @contextlib.contextmanager
@@ -72,7 +73,7 @@ class CudaRound(EagerRound):
         span = bucket_for(start + C + self.shape.draft_entries, self.draft_spans)
         if cache is not self.draft_cache or C not in (self.shape.commit_rows, self.shape.head_commit_rows) or not span:
             return super().draft(cache, start, features, ids, n, root)
-        inputs = (_position(start), features, ids, n, root)
+        inputs = (_position(start, ids.device), features, ids, n, root)
         return DeviceTree(*self.steps.run(("draft", C, span), functools.partial(self._draft, span=span), inputs))
 
     def _draft(self, start, features, ids, n, root, span: int) -> DeviceTree:
@@ -85,7 +86,7 @@ class CudaRound(EagerRound):
         if chain is not None or not self.decode.serves(cache) or not span:
             return super().verify(cache, committed, tree, chain)
         out = self.steps.run(("verify", span), functools.partial(self._verify, span=span),
-                             (_position(committed), *tree))  # fmt: skip
+                             (_position(committed, tree.tokens.device), *tree))  # fmt: skip
         cache.crop_to(committed + N)  # the runner keeps the static cache's length (kv_cache.StaticLayer)
         return Verdict(*out)
 
@@ -104,7 +105,7 @@ class CudaRound(EagerRound):
     def keep(self, cache, committed: int, path: list[int], verdict: Verdict) -> None:
         if not self.decode.serves(cache) or path == list(range(len(path))):  # elsewhere, or in place already
             return super().keep(cache, committed, path, verdict)
-        self.steps.run(("keep",), self._keep, (_position(committed), verdict.path))
+        self.steps.run(("keep",), self._keep, (_position(committed, verdict.path.device), verdict.path))
         cache.crop_to(committed + len(path))
 
     def _keep(self, committed, path) -> tuple:
@@ -163,6 +164,8 @@ class CudaRound(EagerRound):
         return seconds
 
 
-def _position(value: int) -> torch.Tensor:
-    """A context length as the [] long tensor a graph's buffer takes (copied there by GraphedSteps.run)."""
-    return torch.tensor(value, dtype=torch.long)
+def _position(value: int, device: torch.device) -> torch.Tensor:
+    """A context length as the [] long tensor a graph's buffer takes, on the host (GraphedSteps.run copies it there
+    without waiting: from pinned memory where the buffer is on CUDA; a pageable source could wait for the stream)."""
+    host = torch.tensor(value, dtype=torch.long)
+    return host.pin_memory() if device.type == "cuda" else host

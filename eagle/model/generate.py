@@ -199,9 +199,9 @@ def greedy_tree_rounds(
         return
     t0 = time.perf_counter()
     prompt = input_ids.shape[1]
-    ids = torch.cat([input_ids[0, 1:].to(root.device), root.reshape(1)])  # [P] the token after each position
+    ids = torch.cat([to_device(input_ids[0, 1:], root.device), root.reshape(1)])  # [P] the token after each position
     committed, start, n = prompt, 0, prompt  # base cache rows; draft cache rows; rows the next commit brings
-    length = torch.tensor(prompt, device=root.device)  # [] n on the device
+    length = to_device(torch.tensor(prompt), root.device)  # [] n on the device
     if context is not None:
         context.extend(input_ids[0].tolist() + tokens)
     depth = runner.shape.max_depth  # D: the packet's layout (round_steps.Verdict)
