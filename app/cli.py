@@ -48,8 +48,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--device-map", default=None, help="transformers device_map (default: auto on GPU, cpu)")
     p.add_argument("--compile", default="auto", choices=COMPILE_MODES,
                    help="compiled rounds (CPU: inductor; CUDA: CUDA graphs), prepared in the background while the "
-                   "page serves eagerly (minutes on a small CPU; eager if compiling fails): on, off, or auto = kept "
-                   "where they measure faster than eager on this machine (default)")  # fmt: skip
+                   "page serves eagerly (minutes on a small CPU; eager if compiling fails): on, off, auto = kept "
+                   "where they measure faster than eager on this machine (default), or inductor = on, and on CUDA "
+                   "with inductor's fused kernels in the graphs (faster steps; minutes to compile the first time)")
     p.add_argument("--max-new-tokens", type=int, default=512, help="default reply length limit (default 512)")
     p.add_argument("--max-length", type=int, default=2048,
                    help="context budget, prompt + reply (default 2048, capped by the model's)")  # fmt: skip

@@ -89,7 +89,7 @@ def test_pass_cost_times_the_few_row_kernels_eagerly_beside_compiled_rounds(fold
     graphs = model.base.compiled = GraphedDecode(model.base, (1, 2), capacity=64, capture=False)
     calls = []
     run = graphs.steps.run
-    graphs.steps.run = lambda key, fn, inputs: calls.append(key[0]) or run(key, fn, inputs)
+    graphs.steps.run = lambda key, *args: calls.append(key[0]) or run(key, *args)
     result = pass_cost.measure(model, [1, 2, 4], context=8, repeats=2)
     assert result["compiled_rows"] == [1, 2] and model.base.compiled is graphs
     assert sorted(set(calls)) == [1, 2] and len(calls) == 2 * 3  # the engine's 1- and 2-row passes only

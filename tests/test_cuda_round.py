@@ -43,9 +43,9 @@ def calls_of(runner: CudaRound, monkeypatch) -> dict:
     counts = {}
     original = runner.steps.run
 
-    def counted(key, fn, inputs):
+    def counted(key, *args):
         counts[key] = counts.get(key, 0) + 1
-        return original(key, fn, inputs)
+        return original(key, *args)
 
     monkeypatch.setattr(runner.steps, "run", counted)
     return counts
@@ -111,12 +111,29 @@ def test_the_round_needs_the_base_graphs(tmp_path):
         CudaRound(model.base, HeadStep(model.ea_layer, model.base.lm_head), TreeShape.of(8, 3, 4), capture=False)
 
 
+def test_the_round_and_vanilla_step_of_inductors_kernels_equal_greedy_generate(tmp_path):
+    """compile="inductor": the 1-row step's graphs and the round's compiled by inductor before capture."""
+    from torch._dynamo.utils import counters
+
+    model = round_model(tmp_path, eagle3=True)
+    model.base.compiled = GraphedDecode(model.base, (1, 8), 512, capture=False, inductor=True)
+    shape = model.shape_of(model.tree)
+    runner = model.compiled_rounds[shape] = CudaRound(model.base, HeadStep(model.ea_layer, model.base.lm_head), shape)
+    graphs_before = counters["stats"]["unique_graphs"]
+    ids = torch.tensor([PROMPTS[1]])
+    ref = generate(model.base_model, ids, 40)
+    assert model.eagenerate(ids, max_new_tokens=40, stop_token_ids=[]).tolist() == ref
+    assert model.naivegenerate(ids, max_new_tokens=40, stop_token_ids=[]).tolist() == ref
+    assert runner.inductor and counters["stats"]["unique_graphs"] >= graphs_before + 3  # the step, draft and verify
+
+
 def test_the_model_panel_names_the_rounds_graphs(tmp_path):
     from eagle.chat.model_types import forwards_description
 
     model = round_model(tmp_path, eagle3=False)
     graph_round(model)
-    assert "greedy rounds in three CUDA graphs (draft, verify, keep) for trees of 8 nodes" in forwards_description(model)
+    described = forwards_description(model)
+    assert "greedy rounds in three CUDA graphs (draft, verify, keep) for trees of 8 nodes" in described
 
 
 # ------------------------------------------------------------------------------------------------------------------

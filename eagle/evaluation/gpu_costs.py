@@ -236,7 +236,10 @@ def round_trees(model, ids: torch.Tensor, new: int, step_ms: float, tau: float, 
             model.compile_round()
             capture_s = time.perf_counter() - t0
             ms = engine_tokens_per_s(model, ids, new, eagle=True)["ms_per_forward"]
-            t = expected_tau(accept, total, depth, top_k) if accept else (tau if (total, depth, top_k) == TREE else None)
+            if accept:
+                t = expected_tau(accept, total, depth, top_k)
+            else:
+                t = tau if (total, depth, top_k) == TREE else None
             out[f"{total}/{depth}/{top_k}"] = {
                 "round_ms": ms, "round_in_steps": ms / step_ms, "tau": t, "capture_s": capture_s,
                 "projected_speedup_vs_vanilla": t * step_ms / ms if t else None}  # fmt: skip

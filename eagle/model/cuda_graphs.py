@@ -50,24 +50,23 @@ def warm_lengths(spans: tuple[int, ...], rows: int, context: int) -> list[int]:
 
 class GraphedSteps:
     """One CUDA graph per key (a bucket of rows and its flags) of a function of static buffers, captured on the
-    key's first call. inductor: the function compiled by inductor first (its fused kernels captured; a compile per
-    key, all shapes static), else its eager kernels."""
+    key's first call: of the function's eager kernels, or with `inductor` of inductor's fused kernels (the function
+    compiled first, a compile per key: all its shapes are static)."""
 
-    def __init__(self, device: torch.device, capture: bool, inductor: bool = False):
+    def __init__(self, device: torch.device, capture: bool):
         self.device = device
         self.capture = capture
-        self.inductor = inductor
         self.buffers: dict[tuple, tuple[torch.Tensor, ...]] = {}  # key -> static inputs
         self.outputs: dict[tuple, tuple] = {}  # key -> static outputs (captured)
         self.graphs: dict[tuple, object] = {}  # key -> torch.cuda.CUDAGraph, or the function (capture=False)
         self.pool = torch.cuda.graph_pool_handle() if capture else None  # one memory pool for all the graphs
 
-    def run(self, key: tuple, fn, inputs: tuple[torch.Tensor, ...]) -> tuple:
+    def run(self, key: tuple, fn, inputs: tuple[torch.Tensor, ...], inductor: bool = False) -> tuple:
         """fn(*buffers) with `inputs` copied into the key's buffers (made like the key's first inputs; fn is
-        captured then), through its graph; returns copies of the outputs."""
+        compiled with `inductor` and captured then), through its graph; returns copies of the outputs."""
         if key not in self.buffers:
-            if self.inductor:
-                fn = torch.compile(fn, dynamic=False)
+            if inductor:
+                fn = _compiled(fn)
             self.buffers[key] = tuple(x.to(self.device, copy=True) for x in inputs)
             self.graphs[key] = self._capture(key, fn) if self.capture else fn
         for buffer, x in zip(self.buffers[key], inputs):
@@ -89,6 +88,20 @@ class GraphedSteps:
         with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
             self.outputs[key] = fn(*buffers)
         return graph
+
+
+def _compiled(fn):
+    """fn compiled by inductor for its first inputs' shapes, called under dynamo's limit of graphs per function
+    raised: every key of a runner compiles the same function again."""
+    from .compiled import RECOMPILE_LIMIT
+
+    compiled = torch.compile(fn, dynamic=False)
+
+    def call(*args):
+        with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
+            return compiled(*args)
+
+    return call
 
 
 class LeasedCache:
@@ -120,6 +133,8 @@ class GraphedDecode(LeasedCache):
 
     def __init__(self, base, buckets=BUCKETS, capacity: int = CAPACITY, capture: bool | None = None,
                  inductor: bool = False):  # fmt: skip
+        """inductor: the vanilla step's graphs (one row) of inductor's kernels, and the round's (cuda_round.py);
+        wider passes (sampling's, static trees') keep their eager kernels."""
         device = base.lm_head.weight.device
         if {p.device for p in base.model.parameters()} != {device}:
             raise ValueError("CUDA graphs need the whole base on one device (device_map placed it on several)")
@@ -128,7 +143,8 @@ class GraphedDecode(LeasedCache):
         self.cache = TreeKVCache(base.num_layers, capacity + max(self.buckets), static=True)  # + a padded pass
         self.spans = spans_of(self.cache.capacity)
         self.capacity, self._taken = capacity, threading.Lock()
-        self.steps = GraphedSteps(device, device.type == "cuda" if capture is None else capture, inductor)
+        self.steps = GraphedSteps(device, device.type == "cuda" if capture is None else capture)
+        self.inductor = inductor
 
     def _empty(self) -> None:
         self.cache.crop_to(0)
@@ -155,7 +171,8 @@ class GraphedDecode(LeasedCache):
         ids, positions, mask = pad_rows(input_ids, position_ids, mask, rows)
         mask, write = widened(mask, span), torch.arange(length, length + rows, device=mask.device)
         step = functools.partial(self._step, features=features)
-        logits, feats = self.steps.run((rows, features, span), step, (ids, positions, mask, write))
+        inductor = self.inductor and rows == 1
+        logits, feats = self.steps.run((rows, features, span), step, (ids, positions, mask, write), inductor)
         cache.crop_to(length + q)
         return logits[:q], None if feats is None else feats[:q]
 

@@ -47,8 +47,8 @@ class CudaRound(EagerRound):
         self.draft_cache.keys.zero_()  # read by spans: no garbage (NaN) under a mask
         self.draft_cache.values.zero_()
         self.draft_spans = spans_of(self.draft_cache.capacity)
-        capture = device.type == "cuda" if capture is None else capture
-        self.steps = GraphedSteps(device, capture, self.decode.steps.inductor)  # inductor where the base's are
+        self.steps = GraphedSteps(device, device.type == "cuda" if capture is None else capture)
+        self.inductor = self.decode.inductor  # inductor's kernels where the base's vanilla step has them
         self._taken = threading.Lock()
 
     @contextlib.contextmanager
@@ -74,7 +74,8 @@ class CudaRound(EagerRound):
         if cache is not self.draft_cache or C not in (self.shape.commit_rows, self.shape.head_commit_rows) or not span:
             return super().draft(cache, start, features, ids, n, root)
         inputs = (_position(start, ids.device), features, ids, n, root)
-        return DeviceTree(*self.steps.run(("draft", C, span), functools.partial(self._draft, span=span), inputs))
+        draft = functools.partial(self._draft, span=span)
+        return DeviceTree(*self.steps.run(("draft", C, span), draft, inputs, self.inductor))
 
     def _draft(self, start, features, ids, n, root, span: int) -> DeviceTree:
         """The captured draft step: start [] long, features [C, F], ids [C], n and root [] long."""
@@ -85,8 +86,9 @@ class CudaRound(EagerRound):
         span = bucket_for(committed + N, self.decode.spans)
         if chain is not None or not self.decode.serves(cache) or not span:
             return super().verify(cache, committed, tree, chain)
-        out = self.steps.run(("verify", span), functools.partial(self._verify, span=span),
-                             (_position(committed, tree.tokens.device), *tree))  # fmt: skip
+        verify = functools.partial(self._verify, span=span)
+        inputs = (_position(committed, tree.tokens.device), *tree)
+        out = self.steps.run(("verify", span), verify, inputs, self.inductor)
         cache.crop_to(committed + N)  # the runner keeps the static cache's length (kv_cache.StaticLayer)
         return Verdict(*out)
 

@@ -103,11 +103,13 @@ class EaModel(nn.Module):
         as timed on this machine (cached), or a plan {rows: kernel}. `compile` (CPU, eagle/model/compiled.py):
         "on" = the vanilla step and verify passes as compiled graphs (minutes the first time on a small CPU;
         eager if compiling fails, said through `log`), "off", or "auto" = on where a start with "on" measured
-        them faster on this machine. `log` (a print-like function) hears about measurements and compiling."""
+        them faster on this machine; on CUDA "on" captures CUDA graphs of the eager kernels (seconds), "inductor"
+        of inductor's fused ones (minutes the first time; faster steps, BENCHMARKS.md). `log` (a print-like
+        function) hears about measurements and compiling."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        if compile not in ("auto", "on", "off"):
-            raise ValueError(f"compile must be 'auto', 'on' or 'off', got {compile!r}")
+        if compile not in ("auto", "on", "off", "inductor"):
+            raise ValueError(f"compile must be 'auto', 'on', 'off' or 'inductor', got {compile!r}")
         if base_model_path is None or ea_model_path is None:
             raise ValueError("from_pretrained needs base_model_path and ea_model_path")
         if "torch_dtype" in kwargs:  # the reference's spelling; transformers 5 calls it dtype

@@ -186,8 +186,8 @@ def greedy_tree_rounds(
     base: BaseModel, runner, input_ids: torch.Tensor, budget: Budget, cache, draft_cache,
     context: ContextDrafter | None = None,
 ) -> Iterator[Round]:  # fmt: skip
-    """Greedy EAGLE-2 rounds, each three calls of `runner` (round_graphs.py: `draft`, `verify`, `keep`) and one host read;
-    the same tokens as `eagle_rounds` with a greedy picker. draft_cache: the head's, with room for the prompt, the
+    """Greedy EAGLE-2 rounds, each three calls of `runner` (round_graphs.py: `draft`, `verify`, `keep`) and one host
+    read; the same tokens as `eagle_rounds` with a greedy picker. draft_cache: the head's, with room for the prompt, the
     budget, one commit and one tree (round_steps.TreeShape). context: context drafts offered beside the head's
     tree (the runner's shape has room for them)."""
     t0 = time.perf_counter()
@@ -199,7 +199,7 @@ def greedy_tree_rounds(
         return
     t0 = time.perf_counter()
     prompt = input_ids.shape[1]
-    ids = torch.cat([to_device(input_ids[0, 1:], root.device), root.reshape(1)])  # [P] the token after each position
+    ids = torch.cat([to_device(input_ids[0, 1:], root.device), root.reshape(1)])  # [P] the token after each one
     committed, start, n = prompt, 0, prompt  # base cache rows; draft cache rows; rows the next commit brings
     length = to_device(torch.tensor(prompt), root.device)  # [] n on the device
     if context is not None:

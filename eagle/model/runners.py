@@ -1,7 +1,7 @@
 """The one place that picks how compiled passes run on a device: inductor graphs on a CPU (compiled.py,
-compiled_draft.py, round_graphs.py), CUDA graphs on CUDA (cuda_graphs.py, cuda_round.py). Each builder returns a runner that its
-caller puts in use (`BaseModel.compiled`, `EaModel.compiled_draft`, `EaModel.compiled_rounds`); the algorithm
-(generate.py, draft.py, round_steps.py) never imports this module.
+compiled_draft.py, round_graphs.py), CUDA graphs on CUDA (cuda_graphs.py, cuda_round.py). Each builder returns a
+runner that its caller puts in use (`BaseModel.compiled`, `EaModel.compiled_draft`, `EaModel.compiled_rounds`); the
+algorithm (generate.py, draft.py, round_steps.py) never imports this module.
 """
 
 from __future__ import annotations
@@ -21,11 +21,13 @@ def base_buckets(cuda: bool) -> tuple[int, ...]:
     return cuda_graphs.BUCKETS if cuda else compiled.BUCKETS
 
 
-def decode_graphs(base, buckets=None):
+def decode_graphs(base, buckets=None, inductor: bool = False):
     """Graphs of the base's vanilla step and verify passes, built lazily or now with their `warm()`; `forward` runs
-    them once set as `base.compiled` (between generations: a cache is sized for the graphs in use when it is made)."""
+    them once set as `base.compiled` (between generations: a cache is sized for the graphs in use when it is made).
+    inductor (CUDA): the vanilla step's graphs and the round's of inductor's fused kernels, compiled first (a minute
+    or so a graph; the CPU's graphs are inductor's always)."""
     if on_cuda(base.lm_head):
-        return cuda_graphs.GraphedDecode(base, buckets or cuda_graphs.BUCKETS)
+        return cuda_graphs.GraphedDecode(base, buckets or cuda_graphs.BUCKETS, inductor=inductor)
     # The graphs' linears: the panel kernel where it runs here (an operator inductor calls as is, on panels made
     # once), else plain nn.Linear layers, for inductor's own GEMMs: dynamo lifts a custom module's weights as graph
     # inputs, which inductor cannot freeze. Swapping a layer's plan or class under a running eager forward is

@@ -274,7 +274,8 @@ def compile_rounds(model, mode: str, log, swap=None) -> bool | None:
     whether they are in use (default: at once). Without `swap`, "auto" on a CPU compiles only once an earlier start
     measured it (a load is not made to wait minutes by default); with one (the app, serving eagerly meanwhile), it
     compiles to measure. Failures stay eager with one line in `log`. Returns whether the base's forwards are
-    compiled in the end, or what `swap` returns."""
+    compiled in the end, or what `swap` returns. Mode "inductor": "on", with inductor's kernels in the CUDA graphs
+    (runners.decode_graphs)."""
     from . import runners
 
     base = model.base
@@ -293,7 +294,7 @@ def compile_rounds(model, mode: str, log, swap=None) -> bool | None:
     how_built = "CUDA graphs" if cuda else "inductor"
     log(f"compiling the base's 1-row step and verify passes, then the draft steps ({how_built})")
     try:
-        graphs = runners.decode_graphs(base)
+        graphs = runners.decode_graphs(base, inductor=mode == "inductor")
         graphs.warm(log)
     except Exception as e:  # noqa: BLE001 - any compiler failure means: stay eager, say why
         base.decompile()
