@@ -121,7 +121,7 @@ def test_compile_auto_follows_the_measurement_and_failures_stay_eager(folder, mo
     assert load("on").base.compiled is not None and any("measured slower" in line for line in lines[-3:])
     assert load("auto").base.compiled is None
 
-    def broken(base, buckets=None):
+    def broken(base, buckets=None, inductor=False):
         raise RuntimeError("no C++ compiler\nmore detail")
 
     monkeypatch.setattr(runners, "decode_graphs", broken)

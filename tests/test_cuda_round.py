@@ -56,6 +56,23 @@ def generate(base, ids, new):
                          min_new_tokens=new, eos_token_id=None, pad_token_id=0).tolist()  # fmt: skip
 
 
+def test_a_tree_mask_over_a_span_is_the_prefix_form_padded_with_masked_keys():
+    from eagle.model.masks import tree_mask, with_tree
+
+    g = torch.Generator().manual_seed(0)
+    for q, m, committed, gap, span in [(4, 8, 20, 3, 40), (10, 10, 5, 0, 15), (3, 12, 30, 2, 64)]:
+        ancestors = torch.rand(q, m, generator=g) < 0.5  # [q, m]
+        tree_at = committed + gap  # rows between the commit and the tree (a draft's padding) are seen by no one
+        seen = torch.arange(tree_at) < committed
+        prefix = with_tree(seen, ancestors, tree_at)  # [q, tree_at + m]
+        spanned = with_tree(torch.arange(span) < committed, ancestors, torch.tensor(tree_at), span)  # [q, span]
+        assert torch.equal(spanned[:, : tree_at + m], prefix) and not spanned[:, tree_at + m :].any()
+        if gap == 0 and q == m:  # a verify pass: the tree right after the prefix
+            wide = tree_mask(torch.tensor(committed), ancestors, torch.float32, "cpu", span)  # [1, 1, q, span]
+            assert torch.equal(wide[..., : committed + m], tree_mask(committed, ancestors, torch.float32, "cpu"))
+            assert (wide[..., committed + m :] == torch.finfo(torch.float32).min).all()
+
+
 @pytest.mark.parametrize("eagle3", [False, True], ids=["eagle12", "eagle3"])
 def test_the_graphed_round_equals_greedy_generate_across_a_span_of_the_cache(tmp_path, monkeypatch, eagle3):
     model = round_model(tmp_path, eagle3)
@@ -103,6 +120,27 @@ def test_a_generation_beside_the_one_holding_the_rounds_caches_runs_eagerly_and_
     holder.close()
     assert model.eagenerate(ids, max_new_tokens=32, stop_token_ids=[]).tolist() == alone
     assert calls  # the caches were given back
+
+
+def test_the_graphed_round_with_context_chains_equals_vanilla_and_accepts_copies(tmp_path, monkeypatch):
+    """The round's shape with context chains: the draft graph over either commit, the chain's verify pass eager on
+    the graphs' cache, the keep graph moving paths that end in copies."""
+    from eagle.model.context_draft import ContextStats
+
+    base = tiny_base("llama", layers=4)
+    head = load_head(base, *read_checkpoint(random_draft(base, str(tmp_path), eagle3=True, draft_vocab=12)))
+    model = EaModel(base, head, None, total_token=8, depth=3, top_k=2)
+    runner = graph_round(model)
+    chained = model.compile_round(context_drafts=True)
+    assert isinstance(chained, CudaRound) and chained.shape.chain and chained is not runner
+    ids = torch.tensor([[3, 4, 5, 6, 7, 3, 4, 5, 9, 2, 3, 4]])  # a tiny random base soon repeats itself
+    vanilla = model.naivegenerate(ids, max_new_tokens=60, stop_token_ids=[]).tolist()
+    model.context_stats = ContextStats(always=True)
+    calls = calls_of(chained, monkeypatch)
+    rounds = list(model.stream(ids, max_new_tokens=60, stop_token_ids=[], context_drafts=True))
+    assert ids[0].tolist() + [t for r in rounds for t in r.tokens] == vanilla[0]
+    assert sum(r.context for r in rounds) >= 10, "context drafts were hardly accepted: the test saw nothing"
+    assert any(key[0] == "draft" for key in calls) and ("keep",) in calls
 
 
 def test_the_round_needs_the_base_graphs(tmp_path):

@@ -21,6 +21,11 @@ def test_every_stage_of_the_gpu_cost_tool_runs_and_projects_a_speedup(tmp_path):
         assert set(r["pass_ms"]) == {"32", str(4096 - 8)}  # a context past the graphs' cache is clipped to it
         assert r["round_in_steps"] > 0 and r["projected_speedup_vs_vanilla"] == r["tau"] / r["round_in_steps"]
         assert r["runtime_calls_per_round"]["aten_ops"] > 0
+        # the round's own graphs against the forwards' alone, and the round per tree
+        assert r["eagle_forward_graphs"]["tokens_per_forward"] == 1.0
+        assert r["eagle_random_acceptance"]["tokens_per_s"] > 0
+        assert set(r["round_trees"]) == {"%d/%d/%d" % t for t in gpu_costs.ROUND_TREES}
+        assert all(t["round_in_steps"] > 0 for t in r["round_trees"].values())
 
 
 def test_a_random_eagle3_head_matches_its_base_and_the_reference_layout():

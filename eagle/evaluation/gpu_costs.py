@@ -454,7 +454,8 @@ def measure(name: str, device: torch.device, args, save=lambda r: None) -> dict:
     stage("eagle_forward_graphs", forward_graphs)
     stage("round_trees", lambda: round_trees(model, ids, args.new_tokens, r["vanilla"]["ms_per_forward"],
                                              spec["tau"], spec["head"] if args.scale == 1 else None))  # fmt: skip
-    stage("inductor_round", lambda: inductor_round(model, args.inductor_tree))
+    if "inductor_round" in args.stages:  # named only: a minute or more of compiling per graph on a small host
+        stage("inductor_round", lambda: inductor_round(model, args.inductor_tree))
     stage("pass_ms", lambda: {c: {rows: pass_ms(model, rows, c) for rows in args.rows} for c in contexts})
     stage("replay_kernels", lambda: {rows: replay_kernels(model, rows) for rows in (1, max(args.rows))})
     stage("phases", lambda: phase_profile(model, ids))
@@ -526,7 +527,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--rows", default="1,8,16,32,64", help="verify pass rows timed")
     p.add_argument("--contexts", default="256,1024,4096", help="cached positions for pass and attention timings")
     p.add_argument("--hf-compile", default="", help="bases to also time HF generate with a static cache + compile")
-    p.add_argument("--stages", default="", help="only these stages (comma-separated; 'graphs' is needed by most)")
+    p.add_argument("--stages", default="", help="only these stages (comma-separated; 'graphs' is needed by most; "
+                   "inductor_round runs only when named)")  # fmt: skip
     p.add_argument("--inductor-tree", default="60/7/10", help="the tree of the inductor_round stage")
     p.add_argument("--direct", action="store_true", help="capture the graphs without the app's timing against eager")
     p.add_argument("--scale", type=int, default=1, help="divide widths (a quick check of the script on a CPU)")

@@ -154,7 +154,7 @@ class CudaRound(EagerRound):
                         verdict = self.verify(cache, committed, tree)
                     seconds["verify"] = time.perf_counter() - t0
                     t0 = time.perf_counter()
-                    self.keep(cache, committed, [0, 2], verdict)
+                    self.keep(cache, context, [0, 2], verdict)  # a path of D + 1 rows fits after `context`
                     seconds["keep"] = time.perf_counter() - t0
             finally:
                 self.decode.release(cache)

@@ -199,7 +199,10 @@ class EaModel(nn.Module):
         chain's pass runs eagerly there). Returns the runner."""
         tree = replace(tree or self.tree, chain=self.context_chain if context_drafts else 0)
         shape = self.shape_of(tree)
+        # heads of two dtypes are timed against each other in CPU graphs (CompiledRound.draft_seconds); in CUDA
+        # graphs the head in use is kept
         several = self.draft_options and len(self.draft_options) > 1 and not context_drafts
+        several = several and not runners.graphed_on_cuda(self.base)
         options = self.draft_options if several else None  # a context round keeps the head its plain round chose
         heads = [head for head, _ in options] if options else [self.ea_layer]
         rounds = [runners.round_graphs(self.base, HeadStep(head, self.base.lm_head), shape) for head in heads]

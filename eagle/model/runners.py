@@ -48,10 +48,15 @@ def draft_graphs(step, buckets=None):
     return compiled_draft.CompiledDraft(step, buckets or compiled_draft.DRAFT_BUCKETS)
 
 
+def graphed_on_cuda(base) -> bool:
+    """Whether the base's forwards in use are CUDA graphs (the round's graphs are then cuda_round.py's)."""
+    return isinstance(base.compiled, cuda_graphs.GraphedDecode)
+
+
 def round_graphs(base, step, shape: TreeShape) -> CompiledRound | CudaRound:
     """A greedy round's draft and verify steps, one graph each for `shape` (CPU: inductor), or where the base's
     forwards are CUDA graphs, CUDA graphs of them per span of keys and one of the keep, over those graphs' static
     cache and captured as they are (`decode_graphs` first)."""
-    if isinstance(base.compiled, cuda_graphs.GraphedDecode):
+    if graphed_on_cuda(base):
         return CudaRound(base, step, shape, capture=base.compiled.steps.capture)
     return CompiledRound(base, step, shape)
