@@ -282,7 +282,8 @@ def compile_rounds(model, mode: str, log, swap=None) -> bool | None:
     cuda = runners.on_cuda(base.lm_head)
     BUCKETS = runners.base_buckets(cuda)  # noqa: N806
     # keyed on the eager model, as it is before compiling, and on how it compiles (a change re-measures)
-    how = hashlib.sha256(f"{compiled_options()}{BUCKETS}".encode()).hexdigest()[:8]
+    kernels = "inductor" if mode == "inductor" and cuda else ""  # CUDA graphs of inductor's kernels measure apart
+    how = hashlib.sha256(f"{compiled_options()}{BUCKETS}{kernels}".encode()).hexdigest()[:8]
     path = _cache_path(model, f"-compiled-{how}")
     saved = _load(path)
     if mode == "auto" and saved is None and swap is None and not cuda:
