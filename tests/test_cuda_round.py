@@ -20,7 +20,7 @@ from eagle.model.round_steps import TreeShape
 TREE = dict(total_token=8, depth=3, top_k=4)
 
 
-def round_model(tmp_path, eagle3: bool, device: str = "cpu", capacity: int = 512, **tree) -> EaModel:
+def round_model(tmp_path, eagle3: bool, device: str = "cpu", **tree) -> EaModel:
     base = tiny_base("llama").to(device)
     draft = random_draft(base.cpu(), str(tmp_path), eagle3=eagle3, draft_vocab=12 if eagle3 else None)
     head = load_head(base.to(device), *read_checkpoint(draft))
@@ -81,7 +81,7 @@ def test_the_graphed_round_equals_greedy_generate_across_a_span_of_the_cache(tmp
     # 230 prompt tokens: the verify pass's keys cross the first span (256 positions) within the reply
     prompt = torch.tensor([[(7 * i + 3) % 13 + 2 for i in range(230)]])
     for ids, new in [(prompt, 60)] + [(torch.tensor([p]), 40) for p in PROMPTS]:
-        out, tokens, rounds = model.eagenerate(ids, max_new_tokens=new, stop_token_ids=[], log=True)
+        out = model.eagenerate(ids, max_new_tokens=new, stop_token_ids=[])
         assert out.tolist() == generate(model.base_model, ids, new)
     spans = {key[-1] for key in calls if key[0] == "verify"}
     assert {256, 512} <= spans, calls  # two spans of the verify pass ran

@@ -192,7 +192,6 @@ def inductor_round(model, tree: tuple = TREE, new: int = 100, prompt: int = 64) 
 
     ids = prompt_ids(model.base.vocab_size, prompt)
     before = model.base.compiled, dict(model.compiled_rounds), model.tree
-    torch._dynamo.config.recompile_limit = 64
     out = {}
     try:
         model.tree = TreeSpec(*tree)
