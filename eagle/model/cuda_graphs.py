@@ -29,7 +29,7 @@ import time
 import torch
 
 from .masks import additive_mask, widened
-from .compiled import bucket_for, pad_rows
+from .compiled import RECOMPILE_LIMIT, bucket_for, pad_rows
 from .kv_cache import TreeKVCache
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # base rows: the vanilla step, then trees up to 64 nodes (a GPU verifies flat)
@@ -93,8 +93,6 @@ class GraphedSteps:
 def _compiled(fn):
     """fn compiled by inductor for its first inputs' shapes, called under dynamo's limit of graphs per function
     raised: every key of a runner compiles the same function again."""
-    from .compiled import RECOMPILE_LIMIT
-
     compiled = torch.compile(fn, dynamic=False)
 
     def call(*args):
