@@ -172,48 +172,64 @@ def graph(model, capture: bool, direct: bool = False) -> dict:
 @contextlib.contextmanager
 def forward_graphs_only(model):
     """EAGLE rounds on the forwards' graphs alone (a graph per base pass and per draft level, the tree's selection
-    eager between them: the path before the round's own graphs), for comparison in the same run."""
+    eager between them: the path before the round's own graphs), for comparison in the same run; the rounds' graphs
+    in use before are back after it."""
     saved = dict(model.compiled_rounds)
     model.compiled_rounds.clear()
     try:
         yield
     finally:
+        model.compiled_rounds.clear()
         model.compiled_rounds.update(saved)
+
+
+def on_forward_graphs(model, measure):
+    """`measure` as a stage run inside `forward_graphs_only`."""
+
+    def stage():
+        with forward_graphs_only(model):
+            return measure()
+
+    return stage
 
 
 def inductor_round(model, tree: tuple = TREE, new: int = 100, prompt: int = 64) -> dict:
     """The vanilla step and the `tree` round as CUDA graphs of inductor's kernels (each graph compiled, then captured),
     beside the same graphs of eager kernels (the ones in use), in one span of keys (prompt + new within the first):
     tokens/s, ms per forward, the round in vanilla steps, and whether EAGLE's tokens equal vanilla's."""
-    from eagle.model.cuda_graphs import GraphedDecode
-    from eagle.model.cuda_round import CudaRound
-    from eagle.model.draft import HeadStep
     from eagle.model.generate import TreeSpec
 
     ids = prompt_ids(model.base.vocab_size, prompt)
-    before = model.base.compiled, dict(model.compiled_rounds), model.tree
+    before = model.base.compiled, model.tree
     out = {}
     try:
-        model.tree = TreeSpec(*tree)
-        shape = model.shape_of(model.tree)
-        for kernels in ("eager", "inductor"):
-            model.base.compiled = GraphedDecode(model.base, (1,), CAPACITY, inductor=kernels == "inductor")
-            model.compiled_rounds.clear()
-            model.compiled_rounds[shape] = CudaRound(model.base, HeadStep(model.ea_layer, model.base.lm_head), shape)
-            t0 = time.perf_counter()
-            vanilla = engine_tokens_per_s(model, ids, new, eagle=False)
-            eagle = engine_tokens_per_s(model, ids, new, eagle=True)
-            same = (model.eagenerate(ids, max_new_tokens=new, stop_token_ids=[]).tolist()
-                    == model.naivegenerate(ids, max_new_tokens=new, stop_token_ids=[]).tolist())  # fmt: skip
-            out[kernels] = {"vanilla": vanilla, "eagle": eagle, "seconds": time.perf_counter() - t0,
-                            "round_in_steps": eagle["ms_per_forward"] / vanilla["ms_per_forward"],
-                            "eagle_equals_vanilla": same}  # fmt: skip
-            log(f"{kernels} kernels: {json.dumps(out[kernels])}")  # kept in the log if a later compile runs out of time
+        with forward_graphs_only(model):  # the rounds' graphs in use come back after it
+            model.tree = TreeSpec(*tree)
+            for kernels in ("eager", "inductor"):
+                out[kernels] = graphed_round(model, ids, new, inductor=kernels == "inductor")
+                log(f"{kernels} kernels: {json.dumps(out[kernels])}")  # in the log if a later compile runs out of time
     finally:
-        model.base.compiled, rounds, model.tree = before
-        model.compiled_rounds.clear()
-        model.compiled_rounds.update(rounds)
+        model.base.compiled, model.tree = before
     return out
+
+
+def graphed_round(model, ids: torch.Tensor, new: int, inductor: bool) -> dict:
+    """Vanilla and EAGLE on freshly built graphs of the 1-row step and of the round for the tree in use (inductor's
+    kernels or eager ones), and whether their tokens agree."""
+    from eagle.model.cuda_graphs import GraphedDecode
+    from eagle.model.cuda_round import CudaRound
+    from eagle.model.draft import HeadStep
+
+    shape = model.shape_of(model.tree)
+    model.base.compiled = GraphedDecode(model.base, (1,), CAPACITY, inductor=inductor)
+    model.compiled_rounds[shape] = CudaRound(model.base, HeadStep(model.ea_layer, model.base.lm_head), shape)
+    t0 = time.perf_counter()
+    vanilla = engine_tokens_per_s(model, ids, new, eagle=False)
+    eagle = engine_tokens_per_s(model, ids, new, eagle=True)
+    same = (model.eagenerate(ids, max_new_tokens=new, stop_token_ids=[]).tolist()
+            == model.naivegenerate(ids, max_new_tokens=new, stop_token_ids=[]).tolist())  # fmt: skip
+    return {"vanilla": vanilla, "eagle": eagle, "seconds": time.perf_counter() - t0,
+            "round_in_steps": eagle["ms_per_forward"] / vanilla["ms_per_forward"], "eagle_equals_vanilla": same}
 
 
 def round_trees(model, ids: torch.Tensor, new: int, step_ms: float, tau: float, head) -> dict:
@@ -445,12 +461,8 @@ def measure(name: str, device: torch.device, args, save=lambda r: None) -> dict:
     stage("graphs", lambda: graph(model, device.type == "cuda", args.direct))
     stage("vanilla", lambda: engine_tokens_per_s(model, ids, args.new_tokens, eagle=False))
     stage("eagle_random_acceptance", lambda: engine_tokens_per_s(model, ids, args.new_tokens, eagle=True))
-
-    def forward_graphs():
-        with forward_graphs_only(model):
-            return engine_tokens_per_s(model, ids, args.new_tokens, eagle=True)
-
-    stage("eagle_forward_graphs", forward_graphs)
+    stage("eagle_forward_graphs", on_forward_graphs(model, lambda: engine_tokens_per_s(model, ids, args.new_tokens,
+                                                                                      eagle=True)))  # fmt: skip
     stage("round_trees", lambda: round_trees(model, ids, args.new_tokens, r["vanilla"]["ms_per_forward"],
                                              spec["tau"], spec["head"] if args.scale == 1 else None))  # fmt: skip
     if "inductor_round" in args.stages:  # named only: a minute or more of compiling per graph on a small host
@@ -459,12 +471,8 @@ def measure(name: str, device: torch.device, args, save=lambda r: None) -> dict:
     stage("replay_kernels", lambda: {rows: replay_kernels(model, rows) for rows in (1, max(args.rows))})
     stage("phases", lambda: phase_profile(model, ids))
     stage("runtime_calls_per_round", lambda: runtime_calls_per_round(model, ids))
-
-    def forward_graph_calls():
-        with forward_graphs_only(model):
-            return runtime_calls_per_round(model, ids)
-
-    stage("runtime_calls_per_round_forward_graphs", forward_graph_calls)
+    stage("runtime_calls_per_round_forward_graphs",
+          on_forward_graphs(model, lambda: runtime_calls_per_round(model, ids)))  # fmt: skip
     stage("attention_ms", lambda: {c: {rows: attention_ms(base.config, dtype, device, c, rows, CAPACITY + 64)
                                        for rows in (1, 64)} for c in contexts})  # fmt: skip
     if isinstance(spec["head"], Path) and args.scale == 1:  # the tree the tuner picks here for the real head

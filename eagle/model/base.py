@@ -45,6 +45,8 @@ class BaseModel:
         self.hidden_size = cfg.hidden_size
         self.vocab_size = self.lm_head.weight.shape[0]
         self.feature_layers = (feature_layers or eagle3_feature_layers(self.num_layers)) if eagle3 else None
+        # F: the width of the features a verify pass hands the head (EAGLE-3: its taps side by side)
+        self.feature_width = self.hidden_size * (len(self.feature_layers) if self.feature_layers else 1)
         self.dtype = self.lm_head.weight.dtype
         self.input_device = model.get_input_embeddings().weight.device
         self.logit_transform = logit_transform(model.config)  # None = the lm_head's logits are the model's

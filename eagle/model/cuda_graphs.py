@@ -124,6 +124,15 @@ class LeasedCache:
         raise NotImplementedError
 
 
+def static_draft_cache(head, capacity: int):
+    """The head's cache for captured steps, zeroed: they read it by spans, and garbage (NaN) under a mask would still
+    reach their outputs (0 * NaN)."""
+    cache = head.new_cache(capacity)
+    cache.keys.zero_()
+    cache.values.zero_()
+    return cache
+
+
 class GraphedDecode(LeasedCache):
     """`BaseModel.decode` as CUDA graphs per bucket over a static cache it owns; `run` as `CompiledDecode.run`."""
 
@@ -209,9 +218,7 @@ class GraphedDraft(LeasedCache):
         device = step.head.fc.weight.device
         self.step = step
         self.buckets = tuple(sorted(buckets))
-        self.cache = step.head.new_cache(capacity + max(self.buckets))
-        self.cache.keys.zero_()  # read by spans in a captured step: no garbage (NaN) under the mask
-        self.cache.values.zero_()
+        self.cache = static_draft_cache(step.head, capacity + max(self.buckets))
         self.spans = spans_of(self.cache.capacity)
         self.capacity, self._taken = capacity, threading.Lock()
         self.steps = GraphedSteps(device, device.type == "cuda" if capture is None else capture)

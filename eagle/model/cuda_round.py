@@ -4,10 +4,10 @@ rows. The runner's interface is round_graphs.py's (`draft`, `verify`, `keep`).
 
 A graph holds the addresses and shapes it was captured with, so the round runs on static caches: the base's is
 the one its forwards' graphs own (cuda_graphs.GraphedDecode, leased per generation by `BaseModel.leased_cache`),
-the head's one of this runner's own (`leased_draft_cache`). The context length enters each graph as a [] tensor
-copied into its buffer; keys are read over the smallest span of the cache (cuda_graphs.SPANS) that holds the
-context and the rows written, so a graph per step and span serves every length. Everything between the host's one
-read a round (`Verdict.packet`) and the next draft stays on the device.
+the head's this runner's own (`self.cache`, leased per generation by `leased_draft_cache`). The context length
+enters each graph as a [] tensor copied into its buffer; keys are read over the smallest span of the cache
+(cuda_graphs.SPANS) that holds the context and the rows written, so a graph per step and span serves every length.
+Everything between the host's one read a round (`Verdict.packet`) and the next draft stays on the device.
 
 Where a graph does not apply the step runs eagerly on the same caches (EagerRound): a prompt's commit (its own rows),
 a context chain, a cache not the runner's (a generation beside the one holding it), contexts past the last span.
@@ -24,14 +24,15 @@ import time
 import torch
 
 from .compiled import bucket_for
-from .cuda_graphs import GraphedDecode, GraphedSteps, spans_of
+from .cuda_graphs import GraphedDecode, GraphedSteps, LeasedCache, spans_of, static_draft_cache
 from .draft import HeadStep
 from .round_graphs import EagerRound
 from .round_steps import DeviceTree, TreeShape, Verdict, draft_step, verify_step
 
 
-class CudaRound(EagerRound):
-    """The draft and verify steps of one tree shape as CUDA graphs per span, and the keep as one more."""
+class CudaRound(EagerRound, LeasedCache):
+    """The draft and verify steps of one tree shape as CUDA graphs per span, and the keep as one more; `cache` is the
+    head's static cache the draft graphs run on."""
 
     steps_text = "three CUDA graphs (draft, verify, keep)"  # the Model panel's words
 
@@ -43,35 +44,35 @@ class CudaRound(EagerRound):
                              "those in use first (runners.decode_graphs, or tuner.compile_rounds)")  # fmt: skip
         head = step.head
         device = head.fc.weight.device
-        self.draft_cache = head.new_cache(self.decode.capacity + shape.commit_rows + shape.draft_entries + 1)
-        self.draft_cache.keys.zero_()  # read by spans: no garbage (NaN) under a mask
-        self.draft_cache.values.zero_()
-        self.draft_spans = spans_of(self.draft_cache.capacity)
+        self.cache = static_draft_cache(head, self.decode.capacity + shape.commit_rows + shape.draft_entries + 1)
+        self.capacity, self._taken = self.cache.capacity, threading.Lock()
+        self.draft_spans = spans_of(self.cache.capacity)
         self.steps = GraphedSteps(device, device.type == "cuda" if capture is None else capture)
         self.inductor = self.decode.inductor  # inductor's kernels where the base's vanilla step has them
-        self._taken = threading.Lock()
+
+    def _empty(self) -> None:
+        self.cache.length = 0
 
     @contextlib.contextmanager
     def leased_draft_cache(self, capacity: int):
         """The runner's draft cache for one generation, emptied, where it is free and large enough; else a new one
         (then the draft steps run eagerly)."""
-        own = capacity <= self.draft_cache.capacity and self._taken.acquire(blocking=False)
-        if not own:
+        cache = self.lease(capacity)
+        if cache is None:
             with super().leased_draft_cache(capacity) as cache:
                 yield cache
             return
         try:
-            self.draft_cache.length = 0
-            yield self.draft_cache
+            yield cache
         finally:
-            self._taken.release()
+            self.release(cache)
 
     # ---------------------------------------------------------------------------------------------------------
     def draft(self, cache, start: int, features, ids, n, root, rows: int | None = None) -> DeviceTree:
         features, ids = self.commit_of(features, ids, rows)
         C = ids.shape[0]
         span = bucket_for(start + C + self.shape.draft_entries, self.draft_spans)
-        if cache is not self.draft_cache or C not in (self.shape.commit_rows, self.shape.head_commit_rows) or not span:
+        if cache is not self.cache or C not in (self.shape.commit_rows, self.shape.head_commit_rows) or not span:
             return super().draft(cache, start, features, ids, n, root)
         inputs = (_position(start, ids.device), features, ids, n, root)
         draft = functools.partial(self._draft, span=span)
@@ -79,7 +80,7 @@ class CudaRound(EagerRound):
 
     def _draft(self, start, features, ids, n, root, span: int) -> DeviceTree:
         """The captured draft step: start [] long, features [C, F], ids [C], n and root [] long."""
-        return draft_step(self.step, self.draft_cache, start, features, ids, n, root, self.shape, span)
+        return draft_step(self.step, self.cache, start, features, ids, n, root, self.shape, span)
 
     def verify(self, cache, committed: int, tree: DeviceTree, chain=None) -> Verdict:
         N = self.shape.nodes
@@ -137,11 +138,10 @@ class CudaRound(EagerRound):
                 with self.leased_draft_cache(context) as draft_cache:
                     base.forward(torch.zeros(1, context, dtype=torch.long, device=device),
                                  torch.arange(context, device=device)[None], cache, last_logits_only=True)  # fmt: skip
-                    width = base.hidden_size * len(base.feature_layers) if base.feature_layers else base.hidden_size
                     n, root = torch.tensor(2, device=device), torch.tensor(0, device=device)
                     t0 = time.perf_counter()
                     for C in commits:
-                        features = torch.zeros(C, width, dtype=base.dtype, device=device)
+                        features = torch.zeros(C, base.feature_width, dtype=base.dtype, device=device)
                         ids = torch.zeros(C, dtype=torch.long, device=device)
                         for span in self.draft_spans:
                             tree = self.draft(draft_cache, max(context, span - C - shape.draft_entries), features,

@@ -176,8 +176,7 @@ class CompiledRound(EagerRound):
             base.forward(ids, torch.arange(context)[None], cache, features=True, last_logits_only=True)
         draft_cache = head.new_cache(context + shape.commit_rows + shape.draft_entries + 1)
         draft_cache.length = context
-        width = base.hidden_size * len(base.feature_layers) if base.feature_layers else base.hidden_size
-        features = torch.zeros(shape.commit_rows, width, dtype=base.dtype)
+        features = torch.zeros(shape.commit_rows, base.feature_width, dtype=base.dtype)
         return cache, draft_cache, features, torch.zeros(shape.commit_rows, dtype=torch.long)
 
 

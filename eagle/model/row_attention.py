@@ -5,9 +5,9 @@ Why, for bases whose linears read GGUF blocks: the quantized kernel (quant_linea
 to 8 or 16 bits a block, so a difference of one float32 unit in an input can move a rounding step and grow from layer
 to layer. Greedy EAGLE equals greedy vanilla only if a tree node's forward is bit for bit the one-row step of the same
 token, and library attention is not: it sums a row over every cached position in vector lanes fixed by position, so
-the masked gaps of a tree shift the lanes of later keys. This attention computes each row over only the keys it may see, in cache order, the same
-operations whatever the other rows are. For every base: a decode step's or a tree's few rows over a long cache take
-a fraction of the time of ATen's flash attention, which is blocked for many rows.
+the masked gaps of a tree shift the lanes of later keys. This attention computes each row over only the keys it may
+see, in cache order, the same operations whatever the other rows are. For every base: a decode step's or a tree's
+few rows over a long cache take a fraction of the time of ATen's flash attention, which is blocked for many rows.
 
 `install(model)` registers it with transformers (an attention function and its mask function, under NAME) and
 switches the model's config to it; `uninstall(model)` switches back. Eager forwards and inductor graphs call the
