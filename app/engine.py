@@ -34,7 +34,7 @@ from eagle.chat.templates import FittedPrompt, Turn, build_prompt, encode, fit_t
 from eagle.model.generate import Round
 from eagle.model.verify import SamplingParams, TokenPicker
 
-from .idle_work import Loading, VanillaReference, Wait
+from .idle_work import REFRESH_S, Loading, VanillaReference, Wait, refresh_reference
 
 LOCK_TIMEOUT_S = 300.0
 PATHS = ("eager", "compiled")
@@ -67,6 +67,7 @@ class Engine:
         self.describe = lambda model: {}  # the Model panel's lines that change with the path (cli.describe_forwards)
         self._waiting, self._waiting_lock = 0, threading.Lock()  # generations waiting for the model (they go first)
         self._pending: dict = {}  # job -> the line (or Wait) it announced last
+        self._refresh = None  # the job timing a reference again (`record_reply`)
         self.describe_context()
 
     # prompts ---------------------------------------------------------------------------------------------
@@ -96,8 +97,13 @@ class Engine:
         self.references[ref.path] = ref
 
     def record_reply(self, path: str, tokens: int, rounds: int, seconds: float) -> None:
-        """An EAGLE reply as it was made, for the Model panel's figures of each path (the last 20 kept)."""
+        """An EAGLE reply as it was made, for the Model panel's figures of each path (the last 20 kept); the path's
+        vanilla reference is timed again after it where it is older than REFRESH_S."""
         self.replies[path] = [*self.replies[path][-19:], (tokens, rounds, seconds)]
+        ref = self.references.get(path)
+        if ref is not None and time.monotonic() - ref.timed_at > REFRESH_S and self._refresh not in self.jobs:
+            self._refresh = refresh_reference(self, path)  # idle work: after this reply, before none
+            self.add_job(self._refresh)
 
     def reply_figures(self, path: str | None = None) -> str:
         done = self.replies[path or self.path]

@@ -1,7 +1,9 @@
-"""Model work done while no reply runs: the vanilla reference of each path, and compiled rounds loaded, measured
-against eager ones and put in use together with the greedy round's steps for the tree in use; then the same round's
-shape with context chains (`context_rounds`: context drafts on compiled rounds), each compiled by a child and
-brought in the same way.
+"""Model work done while no reply runs: the vanilla reference of each path (timed again after a reply when it is
+stale), and compiled rounds in stages, each compiled by a child and brought in the same way: first what compiled
+rounds need with the tree in use (`first_stage`: the base's one-row step, the greedy round's two steps), measured
+against eager and put in use; then the base's wider buckets and the head's steps, the tree tuned on them and its
+round's steps where it changed (`tuned_rounds`); then the same round's shape with context chains (`context_rounds`:
+context drafts on compiled rounds).
 
 Work comes as jobs: generators whose every step is one unit of model work (seconds; a graph loaded from the cache
 takes up to a minute on a 2-core CPU). Each yields, before a unit, a line that says what the unit does (a `Loading`
@@ -23,11 +25,14 @@ from dataclasses import dataclass, replace
 from typing import Iterator
 
 REFERENCE_PROMPTS = (
-    "Explain in a few paragraphs how a bicycle works.",
+    "Write a detailed guide, in several sections, on how to plant and care for a vegetable garden.",
     "Write a short story about a lighthouse keeper who finds a message in a bottle.",
     "Describe, step by step, how to make a good cup of tea.",
 )
 REFERENCE_TOKENS = 128  # new tokens per reference prompt
+# a path's reference older than this is timed again after the next reply on it: the machine's speed drifts (a VM's
+# by a fifth within minutes), and a reply's speedup is against vanilla under the conditions it met
+REFRESH_S = 90.0
 BUSY_SHARE = 0.25  # others' CPU use, in cores, above which a measurement is not kept
 STABLE = 0.10  # two measurements agree when they differ by at most this share
 MAX_TRIES = 4
@@ -55,6 +60,7 @@ class VanillaReference:
     path: str  # "eager" or "compiled"
     step_s: float
     source: str
+    timed_at: float = 0.0  # time.monotonic() when it was timed
 
     def seconds(self, first_round_s: float, new_tokens: int) -> float:
         """What vanilla decoding would take for a reply of `new_tokens` whose prefill (its first round, the same
@@ -123,7 +129,13 @@ def vanilla_reference(engine, path: str, within=contextlib.nullcontext) -> Itera
     if steps:
         source = (f"vanilla decoding on {path} forwards, timed while idle ({len(steps)} prompts, "
                   f"{REFERENCE_TOKENS} tokens each{'; another process used the CPU meanwhile' if busy else ''})")
-        engine.set_reference(VanillaReference(path, statistics.median(steps), source))
+        engine.set_reference(VanillaReference(path, statistics.median(steps), source, time.monotonic()))
+
+
+def refresh_reference(engine, path: str) -> Iterator[str]:
+    """`vanilla_reference` of `path` timed again, if it is still the path in use when the job starts."""
+    if engine.path == path:
+        yield from vanilla_reference(engine, path)
 
 
 @contextlib.contextmanager
@@ -170,28 +182,46 @@ def awaiting(child, graph: str | None = None) -> Iterator[Wait]:
         yield Wait(child.progress())
 
 
+def first_stage(spec, tree):
+    """The graphs compiled first: what replies need to run on compiled rounds with `tree` (the tree in use), the
+    base's one-row step and the greedy round's two steps; the base's wider buckets, the head's steps and the tree
+    tuned on their costs come after (`tuned_rounds`). A static tree (no round steps) or a spec that names its round:
+    the whole spec."""
+    if tree.choices or spec.round_tree is not None:
+        return spec
+    return replace(spec, base_buckets=spec.base_buckets[:1], draft_buckets=(),
+                   round_tree=(tree.total_token, tree.depth, tree.top_k))  # fmt: skip
+
+
 def compiled_rounds(engine, child, spec, mode: str, log) -> Iterator[str | Loading | Wait]:
-    """Wait for `child` (a ChildCompile, or None when the graphs are in the cache already), load the graphs from the
-    cache a graph a unit, decide (mode "auto": only where compiled forwards measure faster, idle and stable), then
-    tune the tree and time vanilla decoding with them, have the round's two steps for that tree compiled and loaded,
-    and put them all in use together; then the round with context chains (`context_rounds`)."""
+    """Wait for `child` (a ChildCompile of `first_stage(spec, model.tree)`, or None when those graphs are in the
+    cache already), load its graphs from the cache a graph a unit, decide (mode "auto": only where compiled forwards
+    measure faster, idle and stable), time vanilla decoding with them and put them in use together; then the rest of
+    `spec` and the tree tuned on it (`tuned_rounds`), and the round with context chains (`context_rounds`)."""
     from eagle.model import runners
 
-    from .precompile import graph_name, load_compiled_head
+    from .precompile import ROUND_STEPS, graph_name, load_compiled_head, round_graphs
 
     model = engine.model
-    graphs, base_graphs = spec.graphs(), None
+    first = first_stage(spec, model.tree)
+    graphs, base_graphs, draft_graphs, rounds = first.graphs(), None, None, None
     for i, (kind, rows) in enumerate(graphs):  # each as soon as a child has compiled it
         yield from awaiting(child, graph_name(kind, rows))
         if child is not None and child.error:
             break
-        yield Loading(f"loading the compiled graphs: {i + 1} of {len(graphs)} ({rows}-row {kind})")
+        what = ROUND_STEPS.get(kind, f"{rows}-row {kind}")
+        yield Loading(f"loading the compiled graphs: {i + 1} of {len(graphs)} ({what})")
         if base_graphs is None:
-            base_graphs = runners.decode_graphs(model.base, spec.base_buckets)
+            base_graphs = runners.decode_graphs(model.base, first.base_buckets)
             head = load_compiled_head(model.base_model, spec.head_path, spec.draft_dtype)
-            draft_graphs = model.compile_draft(spec.draft_buckets, head=head)
-        seconds = (base_graphs if kind == "base" else draft_graphs).warm(rows=[rows])[rows]
-        log(f"loaded the {rows}-row {kind} graph in {seconds:.1f} s")
+            draft_graphs = model.compile_draft(first.draft_buckets, head=head) if first.draft_buckets else None
+            rounds = round_graphs(model, head, first.round_tree) if first.round_tree is not None else None
+        if kind in ROUND_STEPS:
+            step = kind.removeprefix("round_")
+            log(f"loaded the round's {what} in {rounds.warm(steps=(step,))[step]:.1f} s")
+        else:
+            seconds = (base_graphs if kind == "base" else draft_graphs).warm(rows=[rows])[rows]
+            log(f"loaded the {rows}-row {kind} graph in {seconds:.1f} s")
     yield from awaiting(child)
     engine.child = None  # nothing left to stop while the model works
     if child is not None and child.error:
@@ -217,9 +247,9 @@ def compiled_rounds(engine, child, spec, mode: str, log) -> Iterator[str | Loadi
             verdict = {"ms": ms, "compiled_over_eager": round(tries[-1], 3), "compiled_pays": tries[-1] < 1.0}
             _verdict_path(spec.key()).parent.mkdir(parents=True, exist_ok=True)
             _verdict_path(spec.key()).write_text(json.dumps(verdict))
-            log("compiled vs eager, ms per forward over " + "/".join(map(str, spec.base_buckets)) + " rows: "
-                + "/".join(f"{ms['compiled'][n]:.1f}" for n in spec.base_buckets) + " vs "
-                + "/".join(f"{ms['eager'][n]:.1f}" for n in spec.base_buckets))  # fmt: skip
+            log("compiled vs eager, ms per forward over " + "/".join(map(str, first.base_buckets)) + " rows: "
+                + "/".join(f"{ms['compiled'][n]:.1f}" for n in first.base_buckets) + " vs "
+                + "/".join(f"{ms['eager'][n]:.1f}" for n in first.base_buckets))  # fmt: skip
             break
     if verdict is None:  # never stable or never idle: decided for this run only, from the last try
         verdict = {"compiled_pays": ratio is not None and ratio < 1.0}
@@ -229,32 +259,75 @@ def compiled_rounds(engine, child, spec, mode: str, log) -> Iterator[str | Loadi
         engine.status = "compiled forwards measured slower than eager here: decoding eagerly"
         return
 
-    tree = None
+    # timed the moment before the replies it is the reference of (EAGLE in use then runs the round's two steps:
+    # on the forwards' graphs alone, the general loop, it is about level with compiled vanilla on a small base)
+    yield from vanilla_reference(engine, "compiled", lambda: rounds_in_use(model, base_graphs, head, draft_graphs))
+    yield "putting the compiled rounds in use"
+    model.base.compiled, model.ea_layer, model.compiled_draft = base_graphs, head, draft_graphs
+    came = _said(_put_in_use(engine, rounds), log)
+    engine.compiled_in_use()
+    log("compiled rounds in use")
+    if first is not spec:
+        yield from tuned_rounds(engine, spec, head, log)
+    elif came:
+        yield from context_rounds(engine, spec, log)
+
+
+def tuned_rounds(engine, spec, head, log) -> Iterator[str | Loading | Wait]:
+    """With the first stage's compiled rounds in use: the rest of `spec` (the base's wider buckets, the head's steps:
+    sampling rounds run on them, the tuner times them) compiled by a child and put in use, then the tree tuned on
+    their costs, and where it differs from the tree in use, its round's two steps compiled and put in use with it;
+    then the round with context chains (`context_rounds`)."""
+    from eagle.model import runners
+    from eagle.model.tuner import forget_costs
+
+    from .precompile import ChildCompile, compiled_before, graph_name
+
+    model = engine.model
+    child = None if compiled_before(spec) else ChildCompile(spec)
+    engine.child = child
+    graphs, base_graphs, draft_graphs = spec.graphs(), None, None
+    try:
+        for i, (kind, rows) in enumerate(graphs):
+            yield from awaiting(child, graph_name(kind, rows))
+            if child is not None and child.error:
+                break
+            yield Loading(f"loading the compiled graphs for tuning: {i + 1} of {len(graphs)} ({rows}-row {kind})")
+            if base_graphs is None:
+                base_graphs = runners.decode_graphs(model.base, spec.base_buckets)
+                draft_graphs = model.compile_draft(spec.draft_buckets, head=head)
+            seconds = (base_graphs if kind == "base" else draft_graphs).warm(rows=[rows])[rows]
+            log(f"loaded the {rows}-row {kind} graph in {seconds:.1f} s")
+        yield from awaiting(child)
+    finally:
+        engine.child = None
+    if child is not None and child.error:
+        log(f"compiling the other graphs stopped ({child.error}); rounds go on with the tree in use")
+        return
+    yield "putting the other compiled graphs in use"
+    model.base.compiled, model.compiled_draft = base_graphs, draft_graphs
     if model.acceptance is not None:
         yield "tuning the draft tree for compiled rounds"
         with rounds_in_use(model, base_graphs, head, draft_graphs), OthersCpu() as load:
             model.tune_tree(log)
-            tree = (model.tree, model.tree_choice, model.context_chains)
+            tuned = (model.tree, model.tree_choice, model.context_chains)
         if load.busy:  # measured costs are cached for later starts: not these
-            from eagle.model.tuner import forget_costs
-
             with rounds_in_use(model, base_graphs, head, draft_graphs):
                 forget_costs(model)
-    yield from vanilla_reference(engine, "compiled", lambda: rounds_in_use(model, base_graphs, head, draft_graphs))
-    # The round's two steps before anything is put in use: EAGLE on the forwards' graphs alone (the general loop)
-    # is about level with compiled vanilla on a small base, and a page showing that would show no speedup.
-    steps = None
-    if not hasattr(base_graphs, "lease"):  # CUDA graphs run their own rounds
-        steps = yield from _load_round_steps(engine, spec, head, tree[0] if tree is not None else model.tree, (), log)
-    yield "putting the compiled rounds in use"
-    model.base.compiled, model.ea_layer, model.compiled_draft = base_graphs, head, draft_graphs
-    if tree is not None:
-        model.tree, model.tree_choice, model.context_chains = tree
-    came = _said(_put_in_use(engine, steps), log)
-    engine.compiled_in_use()
-    log("compiled rounds in use")
-    if came:
-        yield from context_rounds(engine, spec, log)
+        if model.shape_of(tuned[0]) == model.shape_of(model.tree):
+            model.tree, model.tree_choice, model.context_chains = tuned  # the same rounds: their graphs stay
+        else:
+            steps = yield from _load_round_steps(engine, spec, head, tuned[0], (), log)
+            if steps is None or isinstance(steps, str):
+                log(f"compiling the tuned tree's round stopped ({steps}); rounds go on with the tree in use")
+            else:
+                yield "putting the tuned tree's compiled rounds in use"
+                model.tree, model.tree_choice, model.context_chains = tuned
+                _said(_put_in_use(engine, steps), log)
+                log(f"the tuned tree in use: {tuned[0].total_token} nodes, depth {tuned[0].depth}, "
+                    f"top_k {tuned[0].top_k}")  # fmt: skip
+        engine.info.update(engine.describe(model))
+    yield from context_rounds(engine, spec, log)
 
 
 def compiled_round_steps(engine, spec, log) -> Iterator[str | Loading | Wait]:

@@ -146,6 +146,22 @@ def test_the_same_model_loaded_from_another_path_keeps_its_key(tmp_path):
     assert keys[0] == keys[1]
 
 
+def test_the_graphs_a_model_runs_on_are_not_part_of_its_key():
+    """A child compiles a round's graph on a model with no graphs in use; the app loads it beside its own compiled
+    forwards (`BaseModel.compiled` set): the same graph, so the same file."""
+    base = BaseModel(tiny_base("llama"), eagle3=False)
+
+    def forward(*args):
+        return base.decode(*args)
+
+    graphs = runners.decode_graphs(base, buckets=(1,))  # the kernels its graphs run: the child's model has them too
+    before = aot_store.key(forward, 1, {})
+    base.compiled = graphs
+    assert aot_store.key(forward, 1, {}) == before
+    base.model.config.rms_norm_eps = 0.5  # what the graph computes is still in the key
+    assert aot_store.key(forward, 1, {}) != before
+
+
 def test_a_saved_graph_is_called_without_a_guard_stance(tmp_path, monkeypatch):
     """A graph from the store evaluates no guard, so its calls skip dynamo's stance (a scope with a cost of its own);
     a traced graph's calls still enter it."""

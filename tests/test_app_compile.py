@@ -11,7 +11,7 @@ from app_fixtures import tiny_engine
 
 from app import idle_work
 from app.engine import EngineBusy
-from app.idle_work import VanillaReference, Wait, compiled_rounds, saved_verdict, vanilla_reference
+from app.idle_work import VanillaReference, Wait, compiled_rounds, first_stage, saved_verdict, vanilla_reference
 from app.precompile import ChildCompile, CompileSpec, compiled_before
 from eagle.chat.model_types import forwards_description
 from eagle.model.round_graphs import CompiledRound
@@ -57,14 +57,22 @@ def tokens(engine, ids, **kw):
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="reads process states from /proc")
-def test_children_compile_only_while_the_model_is_idle_and_the_graphs_change_no_reply(own_cache, tmp_path):
+def test_children_compile_only_while_the_model_is_idle_and_the_graphs_change_no_reply(own_cache, tmp_path,
+                                                                                     monkeypatch):
+    from eagle.model import aot_store
+
+    compiled_here = []  # graphs this process compiled itself: none, every one comes from a child's files
+    compile_and_save = aot_store.compile_and_save
+    monkeypatch.setattr(aot_store, "compile_and_save",
+                        lambda fn, *args: compiled_here.append(fn.__qualname__) or compile_and_save(fn, *args))
     engine = tiny_engine(str(tmp_path))
     model, spec = engine.model, spec_of(engine, str(tmp_path))
     ids = engine.prompt_ids([("w7 w8 w9", None)])
     reference, vanilla = tokens(engine, ids), tokens(engine, ids, eagle=False)
 
-    engine.child = child = ChildCompile(spec)
-    assert len(child.processes) == 2  # one graph each
+    # first what compiled rounds need (the one-row step, the round's two steps for the tree in use), the rest after
+    engine.child = child = ChildCompile(first_stage(spec, model.tree))
+    assert len(child.processes) == 2 and len(child.spec.graphs()) == 3
     lines = []
     engine.add_job(compiled_rounds(engine, child, spec, "on", lines.append))
     reply = engine.rounds(ids, max_new_tokens=24)
@@ -91,10 +99,12 @@ def test_children_compile_only_while_the_model_is_idle_and_the_graphs_change_no_
     assert "greedy rounds in two compiled steps" in forwards_description(model)
     assert tokens(engine, ids) == reference and tokens(engine, ids, eagle=False) == vanilla
     assert tokens(engine, ids, context_drafts=True) == reference  # lossless on the compiled context round too
+    assert compiled_here == [] or not model.base.compiled.graphs.aot, compiled_here
     assert compiled_before(spec)  # a second start loads the graphs without compiling
     tree = model.tree
     rounds = replace(spec, base_buckets=(), draft_buckets=(), round_tree=(tree.total_token, tree.depth, tree.top_k))
-    assert compiled_before(rounds) and compiled_before(replace(rounds, round_chains=(model.context_chain,)))
+    assert compiled_before(first_stage(spec, tree))
+    assert compiled_before(replace(rounds, round_chains=(model.context_chain,)))
     # and measures no verdict again, unless this one was taken while another process used the CPU
     busy = any("another process used the CPU" in line for line in lines)
     assert saved_verdict(spec.key()) is not None or busy, lines
@@ -161,8 +171,12 @@ def nothing_compiled(monkeypatch):
     def warm(self, log=None, context=64, rows=None):
         return {r: 0.0 for r in rows}
 
+    def warm_steps(self, log=None, context=64, steps=None):
+        return dict.fromkeys(steps, 0.0)
+
     monkeypatch.setattr(compiled.CompiledDecode, "warm", warm)
     monkeypatch.setattr(compiled_draft.CompiledDraft, "warm", warm)
+    monkeypatch.setattr(CompiledRound, "warm", warm_steps)
 
 
 def test_a_verdict_measured_under_load_is_not_saved(own_cache, nothing_compiled, tmp_path, monkeypatch):
@@ -221,3 +235,22 @@ def test_a_vanilla_reference_timed_under_load_is_timed_again(own_cache, tmp_path
     lines = list(vanilla_reference(engine, "eager"))
     assert len(lines) == 4 and engine.reference("eager") is not None  # two prompts, twice
     assert "another process" not in engine.reference("eager").source
+
+
+def test_a_stale_reference_is_timed_again_after_a_reply_on_its_path_only(own_cache, tmp_path):
+    engine = tiny_engine(str(tmp_path))
+    list(vanilla_reference(engine, "eager"))
+    fresh = engine.reference("eager")
+    engine.record_reply("eager", 10, 5, 0.1)
+    assert engine.jobs == []  # timed moments ago
+    engine.set_reference(replace(fresh, timed_at=fresh.timed_at - idle_work.REFRESH_S - 1))
+    engine.record_reply("eager", 10, 5, 0.1)
+    engine.record_reply("eager", 10, 5, 0.1)
+    assert len(engine.jobs) == 1  # one timing queued, after the reply, however many replies come meanwhile
+    engine.run_idle_work(timeout=120)
+    assert engine.jobs == [] and engine.reference("eager").timed_at > fresh.timed_at
+    # a stale reference of a path no longer in use is not timed on the forwards in use
+    engine.set_reference(replace(fresh, path="compiled", timed_at=0.0))
+    engine.record_reply("compiled", 10, 5, 0.1)
+    engine.run_idle_work(timeout=120)
+    assert engine.reference("compiled").timed_at == 0.0

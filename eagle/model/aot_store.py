@@ -35,6 +35,9 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 PLAIN = (int, float, str, bool, type(None))
 # where a model came from, not what it is: the same model loaded from two paths makes one graph
 PLACES = {"name_or_path", "_name_or_path", "eagle_weights_gguf"}
+# what a model runs on in this process (`BaseModel.compiled`: the graphs in use, or None), not what a graph of it
+# computes: a round's graph compiled by a child (no graphs in use there) is the file the app loads beside its own
+RUNNERS = {"compiled"}
 # the panel kernels' operators: functional, so two calls with the same arguments give the same product
 KERNELS = ("panel_linear", "quant_panel_linear")
 
@@ -136,7 +139,7 @@ def structure(obj, depth: int = 0, seen: set | None = None) -> object:
         return getattr(obj, "__qualname__", type(obj).__qualname__)
     attrs = getattr(obj, "__dict__", {})
     return [type(obj).__qualname__, {k: structure(v, depth + 1, seen) for k, v in sorted(attrs.items())
-                                     if not k.startswith("_")}]  # fmt: skip
+                                     if not k.startswith("_") and k not in RUNNERS}]  # fmt: skip
 
 
 def closure(fn) -> dict[str, object]:
