@@ -196,7 +196,7 @@ class ChildCompile:
         n, total = len(self.compiled), len(self.spec.graphs())
         elapsed = time.monotonic() - self.started
         state = " (paused while the model works)" if self.paused else ""
-        return (f"compiling the rounds in {len(self.processes)} background process"
+        return (f"compiling graphs in {len(self.processes)} background process"
                 f"{'es' if len(self.processes) > 1 else ''}: {n} of {total} graphs done, "
                 f"{elapsed // 60:.0f}:{elapsed % 60:02.0f} elapsed{state}")  # fmt: skip
 
