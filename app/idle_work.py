@@ -182,6 +182,24 @@ def awaiting(child, graph: str | None = None) -> Iterator[Wait]:
         yield Wait(child.progress())
 
 
+def _load_each(child, graphs, load, log, purpose: str = "") -> Iterator[Loading | Wait]:
+    """Each of `graphs` ((kind, rows) as `CompileSpec.graphs` lists them) loaded by `load(kind, rows)` (returns
+    seconds), a unit each, as soon as `child` (a ChildCompile, or None: compiled before) has compiled it; then waits
+    for the child to end. Stops at the child's error (the caller reads `child.error`)."""
+    from .precompile import ROUND_STEPS, graph_name
+
+    for i, (kind, rows) in enumerate(graphs):
+        yield from awaiting(child, graph_name(kind, rows))
+        if child is not None and child.error:
+            break
+        what = ROUND_STEPS.get(kind, f"{rows}-row {kind}")
+        yield Loading(f"loading the compiled graphs{purpose}: {i + 1} of {len(graphs)} ({what})")
+        seconds = load(kind, rows)
+        log(f"loaded the round's {what} in {seconds:.1f} s" if kind in ROUND_STEPS
+            else f"loaded the {rows}-row {kind} graph in {seconds:.1f} s")  # fmt: skip
+    yield from awaiting(child)
+
+
 def first_stage(spec, tree):
     """The graphs compiled first: what replies need to run on compiled rounds with `tree` (the tree in use), the
     base's one-row step and the greedy round's two steps; the base's wider buckets, the head's steps and the tree
@@ -200,29 +218,25 @@ def compiled_rounds(engine, child, spec, mode: str, log) -> Iterator[str | Loadi
     `spec` and the tree tuned on it (`tuned_rounds`), and the round with context chains (`context_rounds`)."""
     from eagle.model import runners
 
-    from .precompile import ROUND_STEPS, graph_name, load_compiled_head, round_graphs
+    from .precompile import ROUND_STEPS, load_compiled_head, round_graphs
 
     model = engine.model
     first = first_stage(spec, model.tree)
-    graphs, base_graphs, draft_graphs, rounds = first.graphs(), None, None, None
-    for i, (kind, rows) in enumerate(graphs):  # each as soon as a child has compiled it
-        yield from awaiting(child, graph_name(kind, rows))
-        if child is not None and child.error:
-            break
-        what = ROUND_STEPS.get(kind, f"{rows}-row {kind}")
-        yield Loading(f"loading the compiled graphs: {i + 1} of {len(graphs)} ({what})")
-        if base_graphs is None:
-            base_graphs = runners.decode_graphs(model.base, first.base_buckets)
+    made = {}  # the graphs' runners and the head, made at the first load, in its unit (it reads the checkpoint)
+
+    def load(kind: str, rows: int) -> float:
+        if not made:
             head = load_compiled_head(model.base_model, spec.head_path, spec.draft_dtype)
-            draft_graphs = model.compile_draft(first.draft_buckets, head=head) if first.draft_buckets else None
-            rounds = round_graphs(model, head, first.round_tree) if first.round_tree is not None else None
+            made.update(base=runners.decode_graphs(model.base, first.base_buckets), head=head,
+                        draft=model.compile_draft(first.draft_buckets, head=head) if first.draft_buckets else None,
+                        round=round_graphs(model, head, first.round_tree) if first.round_tree is not None else None)
         if kind in ROUND_STEPS:
             step = kind.removeprefix("round_")
-            log(f"loaded the round's {what} in {rounds.warm(steps=(step,))[step]:.1f} s")
-        else:
-            seconds = (base_graphs if kind == "base" else draft_graphs).warm(rows=[rows])[rows]
-            log(f"loaded the {rows}-row {kind} graph in {seconds:.1f} s")
-    yield from awaiting(child)
+            return made["round"].warm(steps=(step,))[step]
+        return made[kind].warm(rows=[rows])[rows]
+
+    yield from _load_each(child, first.graphs(), load, log)
+    base_graphs, head, draft_graphs, rounds = (made.get(k) for k in ("base", "head", "draft", "round"))
     engine.child = None  # nothing left to stop while the model works
     if child is not None and child.error:
         if base_graphs is not None:
@@ -281,30 +295,28 @@ def tuned_rounds(engine, spec, head, log) -> Iterator[str | Loading | Wait]:
     from eagle.model import runners
     from eagle.model.tuner import forget_costs
 
-    from .precompile import ChildCompile, compiled_before, graph_name
+    from .precompile import ChildCompile, compiled_before
 
     model = engine.model
     child = None if compiled_before(spec) else ChildCompile(spec)
     engine.child = child
-    graphs, base_graphs, draft_graphs = spec.graphs(), None, None
+    made = {}  # the graphs' runners, made at the first load, in its unit
+
+    def load(kind: str, rows: int) -> float:
+        if not made:
+            made.update(base=runners.decode_graphs(model.base, spec.base_buckets),
+                        draft=model.compile_draft(spec.draft_buckets, head=head))
+        return made[kind].warm(rows=[rows])[rows]
+
     try:
-        for i, (kind, rows) in enumerate(graphs):
-            yield from awaiting(child, graph_name(kind, rows))
-            if child is not None and child.error:
-                break
-            yield Loading(f"loading the compiled graphs for tuning: {i + 1} of {len(graphs)} ({rows}-row {kind})")
-            if base_graphs is None:
-                base_graphs = runners.decode_graphs(model.base, spec.base_buckets)
-                draft_graphs = model.compile_draft(spec.draft_buckets, head=head)
-            seconds = (base_graphs if kind == "base" else draft_graphs).warm(rows=[rows])[rows]
-            log(f"loaded the {rows}-row {kind} graph in {seconds:.1f} s")
-        yield from awaiting(child)
+        yield from _load_each(child, spec.graphs(), load, log, " for tuning")
     finally:
         engine.child = None
     if child is not None and child.error:
         log(f"compiling the other graphs stopped ({child.error}); rounds go on with the tree in use")
         return
     yield "putting the other compiled graphs in use"
+    base_graphs, draft_graphs = made["base"], made["draft"]
     model.base.compiled, model.compiled_draft = base_graphs, draft_graphs
     if model.acceptance is not None:
         yield "tuning the draft tree for compiled rounds"
