@@ -1,5 +1,5 @@
 """The panel kernel on GGUF blocks (eagle/model/quant_panels.py, quant_linear.cpp): Q4_1 and Q8_0 weights as
-gguf-py stores them multiplied as integers by the inputs rounded to 16 or (Q4_1) 8 bits a block, within the stated
+gguf-py stores them multiplied as integers by the inputs rounded to 8 or (Q4_1) 16 bits a block, within the stated
 bound of F.linear on the dequantized weights, and each row independent of the others."""
 
 import os
@@ -20,7 +20,7 @@ needs_kernel = pytest.mark.skipif(
     not panel_kernel.available(), reason=f"panel kernel: {panel_kernel._state.get('why')}"
 )
 QTYPES = [Q4_1, Q8_0]
-ROUNDINGS = [(Q4_1, 8), (Q4_1, 16), (Q8_0, 16)]  # (weights, input bits): every arithmetic the kernel has
+ROUNDINGS = [(Q4_1, 8), (Q4_1, 16), (Q8_0, 8)]  # (weights, input bits): every arithmetic the kernel has
 
 
 @pytest.mark.parametrize("qtype", QTYPES)
@@ -48,23 +48,33 @@ def test_quant_panel_linear_is_f_linear_on_the_dequantized_weight(qtype, bits, n
         assert ((out - ref).abs() <= error_bound(x, qtype, blocks, bias, bits)).all()
 
 
-@needs_kernel
-def test_8_bit_inputs_round_each_input_as_stated():
-    """With 8-bit inputs the kernel multiplies round(x * 127 / max |x|) of each block: a weight of one 1 at column k
-    gives back exactly that input times its block's scale (the nibbles' byte order is matched by the inputs')."""
-    k = 64
-    blocks = torch.zeros(k, k // 32, 20, dtype=torch.uint8)  # [N = K, blocks, bytes]: w[j, j] = 1 (d = 1, q = 1)
+def _one_hot_blocks(qtype: int, k: int, q: int) -> torch.Tensor:
+    """GGUF blocks [K, K / 32 * bytes] of the weight q * identity (d = 1, Q4_1's minimum 0)."""
+    blocks = torch.zeros(k, k // 32, quant_panels.BLOCK_BYTES[qtype], dtype=torch.uint8)  # [N = K, blocks, bytes]
     blocks[..., 0:2] = torch.tensor([1.0], dtype=torch.float16).view(torch.uint8)
     for j in range(k):
-        byte = 4 + (j % 32) % 16
-        blocks[j, j // 32, byte] = 1 if (j % 32) < 16 else 16
-    panels = quant_panels.pack(Q4_1, blocks.reshape(k, -1))
+        if qtype == Q4_1:  # byte i holds weight i (low nibble) and weight i + 16 (high nibble)
+            blocks[j, j // 32, 4 + (j % 32) % 16] = q if (j % 32) < 16 else q << 4
+        else:
+            blocks[j, j // 32, 2 + j % 32] = q & 0xFF  # int8 as a byte
+    return blocks.reshape(k, -1)
+
+
+@needs_kernel
+@pytest.mark.parametrize("qtype, q", [(Q4_1, 1), (Q4_1, 15), (Q8_0, 1), (Q8_0, -127), (Q8_0, 127)])
+def test_8_bit_inputs_round_each_input_as_stated(qtype, q):
+    """With 8-bit inputs the kernel multiplies round(x * 127 / max |x|) of each block: a weight of q at column k
+    gives back exactly q times that input times its block's scale (the weights' byte order is matched by the
+    inputs'; Q8_0's q + 128 taken back off)."""
+    k = 64
+    panels = quant_panels.pack(qtype, _one_hot_blocks(qtype, k, q))
     x = torch.randn(3, k)
     xb = x.view(3, k // 32, 32)
     amax = xb.abs().amax(-1, keepdim=True)
-    expected = (torch.round(xb * (127 / amax)) * (amax / 127)).view(3, k)  # round half to even, as the kernel
-    assert torch.allclose(quant_panels.linear(x, panels, None, k, Q4_1, 8), expected, rtol=2**-20, atol=0)
-    assert not torch.allclose(quant_panels.linear(x, panels, None, k, Q4_1, 16), expected, rtol=2**-20, atol=0)
+    expected = (q * torch.round(xb * (127 / amax)) * (amax / 127)).view(3, k)  # round half to even, as the kernel
+    assert torch.allclose(quant_panels.linear(x, panels, None, k, qtype, 8), expected, rtol=2**-20, atol=0)
+    if qtype == Q4_1:
+        assert not torch.allclose(quant_panels.linear(x, panels, None, k, Q4_1, 16), expected, rtol=2**-20, atol=0)
 
 
 @needs_kernel
@@ -92,8 +102,8 @@ def test_blocks_that_do_not_match_are_refused_with_the_fix():
     with pytest.raises(RuntimeError, match="Q4_1"):
         quant_panels.linear(torch.randn(1, 64), panels, None, 64, 2)
     q8 = quant_panels.pack(Q8_0, random_blocks(Q8_0, 64, 64))
-    with pytest.raises(RuntimeError, match="input_bits 8 is not 16, or 8 with Q4_1 weights"):
-        quant_panels.linear(torch.randn(1, 64), q8, None, 64, Q8_0, 8)
+    with pytest.raises(RuntimeError, match="input_bits 16 is not 8, or 16 with Q4_1 weights"):
+        quant_panels.linear(torch.randn(1, 64), q8, None, 64, Q8_0, 16)
 
 
 CHECK = """
@@ -102,8 +112,8 @@ sys.path.insert(0, sys.argv[2])
 from q4_fixtures import random_blocks, error_bound
 from eagle.model import quant_panels
 torch.ops.load_library(sys.argv[1])
-assert quant_panels.width() == 16, quant_panels.width()  # the AVX2 build
-for qtype, bits in ((quant_panels.Q4_1, 8), (quant_panels.Q4_1, 16), (quant_panels.Q8_0, 16)):
+assert quant_panels.width() == int(sys.argv[3]), quant_panels.width()  # the build asked for
+for qtype, bits in ((quant_panels.Q4_1, 8), (quant_panels.Q4_1, 16), (quant_panels.Q8_0, 8)):
     for n, k in [(1, 32), (15, 64), (16, 64), (17, 96), (200, 576)]:
         blocks = random_blocks(qtype, n, k)
         w, panels = quant_panels.dequantize(qtype, blocks), quant_panels.pack(qtype, blocks)
@@ -123,15 +133,20 @@ assert (torch.ops.eagle.row_attention(q, k, v, None, 40**-0.5) - ref).abs().max(
 
 @needs_kernel
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="-mno-avx512f is an x86 flag")
-@pytest.mark.parametrize("flags", [("-mno-avx512f",), ("-mno-avx512f", "-mno-avxvnni")], ids=["avx2", "avx2-no-vnni"])
+@pytest.mark.parametrize(
+    "flags",
+    [("-mno-avx512f",), ("-mno-avx512f", "-mno-avxvnni"), ("-mno-avx512vnni",)],
+    ids=["avx2", "avx2-no-vnni", "native-no-avx512-vnni"],
+)
 def test_the_avx2_build_computes_the_same(tmp_path, flags):
     """The AVX2 code (CI machines without AVX-512) built and checked here too, in a process of its own (the
     attention of row_attention.cpp too); without AVX-VNNI too (a Zen 3: the integer dot products by vpmaddubsw and
-    vpmaddwd)."""
-    library = tmp_path / "panel_linear_avx2.so"
+    vpmaddwd), and this machine's build without AVX-512 VNNI (a Skylake-X, where it has AVX-512)."""
+    library = tmp_path / "panel_linear_variant.so"
     subprocess.run(panel_kernel.build_command(panel_kernel._compiler(), library, flags), check=True)
     root, tests = str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)
-    subprocess.run([sys.executable, "-c", CHECK, str(library), tests], check=True, timeout=120,
+    width = 16 if "-mno-avx512f" in flags else quant_panels.width()
+    subprocess.run([sys.executable, "-c", CHECK, str(library), tests, str(width)], check=True, timeout=120,
                    env={**os.environ, "PYTHONPATH": root})  # fmt: skip
 
 

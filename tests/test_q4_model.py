@@ -40,10 +40,10 @@ def test_the_layers_read_the_gguf_blocks_and_compute_what_float32_weights_do(tmp
         few_rows.set_plan(base, few_rows.uniform_plan("panel"))
         assert few_rows.weights_of(base) == "fp32"
         fp32 = [base(ids[:, : n + 1]).logits for n in range(ids.shape[1])]
-    # the same weights; the inputs rounded to 16 bits a block of 32, or to 8 where the engine does (Q4_1: 2^-8 of a
-    # block's largest input, through two layers)
+    # the same weights; the layers' inputs rounded to 16 bits a block of 32, or to 8 where the engine does (Q4_1: 2^-8
+    # of a block's largest input, through two layers); the lm_head's (Q8_0) to 8 bits in both
     for q8, q16, f in zip(quantized, quantized16, fp32):
-        torch.testing.assert_close(q16, f, rtol=0, atol=1e-3 * f.abs().max().item())
+        torch.testing.assert_close(q16, f, rtol=0, atol=1e-2 * f.abs().max().item())
         torch.testing.assert_close(q8, f, rtol=0, atol=2e-2 * f.abs().max().item())
         assert not torch.equal(q8, q16)
     torch.testing.assert_close(fp32[-1], plain, rtol=1e-4, atol=1e-4)

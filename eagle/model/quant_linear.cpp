@@ -3,12 +3,14 @@
 // (Q4_1 or Q8_0, 32 weights a block) and multiplied as integers; built with panel_linear.cpp into one library
 // (eagle/model/panel_kernel.py), packed by eagle/model/quant_panels.py.
 //
-// Arithmetic, per row m and GGUF block b (32 consecutive k) of column j, with L = 32767 (input_bits 16) or 127
-// (input_bits 8, Q4_1 only: llama.cpp's Q4_1 x Q8_1 product):
+// Arithmetic, per row m and GGUF block b (32 consecutive k) of column j, with L = 32767 (input_bits 16, Q4_1 only) or
+// 127 (input_bits 8: llama.cpp's Q4_1 x Q8_1 and Q8_0 x Q8_0 products):
 //   the row's 32 inputs are rounded against their largest magnitude: x ~ s[m, b] * xq, s = max |x| / L, |xq| <= L;
 //   isum = sum_k q[k, j] * xq[m, k], exact in int32 (|isum| <= 32 * 128 * 32767 < 2^31) by 16-bit dot products
-//   (vpdpwssd, or vpmaddwd + vpaddd; two k a lane) or 8-bit ones (vpdpbusd, or vpmaddubsw + vpmaddwd: unsigned
-//   nibbles times signed inputs, four k a lane, |q * xq| * 2 < 2^15 so nothing saturates);
+//   (vpdpwssd, or vpmaddwd + vpaddd; two k a lane) or 8-bit ones (vpdpbusd: unsigned bytes times signed inputs, four
+//   k a lane; without VNNI vpmaddubsw + vpmaddwd for Q4_1's nibbles, |q * xq| * 2 < 2^15 so nothing saturates, and
+//   two vpmaddwd on the bytes widened to 16 bits for Q8_0's); Q8_0's signed q are stored as u = q + 128, so the
+//   product sums u * xq and takes 128 * sum(xq) back off, exactly;
 //   Q4_1 (w = d * q + m): acc += (float(isum) * s[m, b]) * d[b, j], then acc += sx[m, b] * m[b, j], where
 //   sx = s[m, b] * (the integer sum of the block's xq), so each row is multiplied exactly as its rounded inputs
 //   s * xq (the minimum's term rounded like the rest: its rounding errors cancel against the scale's, w being
@@ -23,7 +25,8 @@
 //   Q4_1: d[NB] fp16, m[NB] fp16, then 4 groups of 8 k, each NB uint32: the word of column j holds the group's 8 q
 //         as nibbles, k + 2p in bits 4p..4p+3 and k + 2p + 1 in bits 16+4p..19+4p, so (word >> 4p) & 0x000F000F
 //         is the int16 pair (q[k + 2p], q[k + 2p + 1]), and (word >> 4h) & 0x0F0F0F0F four bytes of q (PERM8);
-//   Q8_0: d[NB] fp16, then 16 k-pairs x NB int8 pairs (q[2i][j], q[2i + 1][j]).
+//   Q8_0: d[NB] fp16, then 4 groups of 8 k, each 2 x NB uint32: word h of column j holds q + 128 of the group's
+//         k + PERM8[4h + i] in byte i, matching the 8-bit inputs' order.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -51,20 +54,26 @@ typedef __m512 vf;
 typedef __m512i vi;
 static inline vf from_fp16(const uint16_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p)); }
 static inline vi load(const uint8_t* p) { return _mm512_loadu_si512(p); }
-static inline vi s8pairs(const uint8_t* p) { return _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)p)); }
 static inline vi nibble_pairs(vi w, int p) { return _mm512_and_si512(_mm512_srli_epi32(w, 4 * p), _mm512_set1_epi32(0x000F000F)); }
 static inline vi nibbles(vi w, int p) { return _mm512_and_si512(_mm512_srli_epi32(w, 4 * p), _mm512_set1_epi32(0x0F0F0F0F)); }
 static inline vi bcast32(const void* p) { int32_t v; std::memcpy(&v, p, 4); return _mm512_set1_epi32(v); }  // 4 bytes
+// dot8: unsigned bytes u <= 15 times signed bytes, four a lane; dot8u: the same for any unsigned byte
 #ifdef __AVX512VNNI__
 static inline vi dot(vi acc, vi a, vi b) { return _mm512_dpwssd_epi32(acc, a, b); }
 static inline vi dot8(vi acc, vi u, vi s) { return _mm512_dpbusd_epi32(acc, u, s); }
+static inline vi dot8u(vi acc, vi u, vi s) { return _mm512_dpbusd_epi32(acc, u, s); }
 #else
 static inline vi dot(vi acc, vi a, vi b) { return _mm512_add_epi32(acc, _mm512_madd_epi16(a, b)); }
 static inline vi dot8(vi acc, vi u, vi s) {
   return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(u, s), _mm512_set1_epi16(1)));
 }
+static inline vi dot8u(vi acc, vi u, vi s) {  // bytes 0, 2 then 1, 3 of each lane widened to 16 bits
+  const vi even = _mm512_madd_epi16(_mm512_and_si512(u, _mm512_set1_epi16(0x00FF)), _mm512_srai_epi16(_mm512_slli_epi16(s, 8), 8));
+  return _mm512_add_epi32(_mm512_add_epi32(acc, even), _mm512_madd_epi16(_mm512_srli_epi16(u, 8), _mm512_srai_epi16(s, 8)));
+}
 #endif
 static inline vi izero() { return _mm512_setzero_si512(); }
+static inline vi isub(vi a, int32_t b) { return _mm512_sub_epi32(a, _mm512_set1_epi32(b)); }
 static inline vf tofloat(vi a) { return _mm512_cvtepi32_ps(a); }
 static inline vf fma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
 static inline vf mul(vf a, vf b) { return _mm512_mul_ps(a, b); }
@@ -106,20 +115,25 @@ typedef __m256 vf;
 typedef __m256i vi;
 static inline vf from_fp16(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)); }
 static inline vi load(const uint8_t* p) { return _mm256_loadu_si256((const __m256i*)p); }
-static inline vi s8pairs(const uint8_t* p) { return _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)p)); }
 static inline vi nibble_pairs(vi w, int p) { return _mm256_and_si256(_mm256_srli_epi32(w, 4 * p), _mm256_set1_epi32(0x000F000F)); }
 static inline vi nibbles(vi w, int p) { return _mm256_and_si256(_mm256_srli_epi32(w, 4 * p), _mm256_set1_epi32(0x0F0F0F0F)); }
 static inline vi bcast32(const void* p) { int32_t v; std::memcpy(&v, p, 4); return _mm256_set1_epi32(v); }  // 4 bytes
 #ifdef __AVXVNNI__
 static inline vi dot(vi acc, vi a, vi b) { return _mm256_dpwssd_avx_epi32(acc, a, b); }
 static inline vi dot8(vi acc, vi u, vi s) { return _mm256_dpbusd_avx_epi32(acc, u, s); }
+static inline vi dot8u(vi acc, vi u, vi s) { return _mm256_dpbusd_avx_epi32(acc, u, s); }
 #else
 static inline vi dot(vi acc, vi a, vi b) { return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b)); }
 static inline vi dot8(vi acc, vi u, vi s) {
   return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
 }
+static inline vi dot8u(vi acc, vi u, vi s) {  // bytes 0, 2 then 1, 3 of each lane widened to 16 bits
+  const vi even = _mm256_madd_epi16(_mm256_and_si256(u, _mm256_set1_epi16(0x00FF)), _mm256_srai_epi16(_mm256_slli_epi16(s, 8), 8));
+  return _mm256_add_epi32(_mm256_add_epi32(acc, even), _mm256_madd_epi16(_mm256_srli_epi16(u, 8), _mm256_srai_epi16(s, 8)));
+}
 #endif
 static inline vi izero() { return _mm256_setzero_si256(); }
+static inline vi isub(vi a, int32_t b) { return _mm256_sub_epi32(a, _mm256_set1_epi32(b)); }
 static inline vf tofloat(vi a) { return _mm256_cvtepi32_ps(a); }
 static inline vf fma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
 static inline vf mul(vf a, vf b) { return _mm256_mul_ps(a, b); }
@@ -164,25 +178,28 @@ constexpr int64_t block_bytes(int64_t qtype) { return qtype == Q4_1 ? 20 * NB : 
 // left one row streaming below the machine's bandwidth; a prefetch past the end never faults).
 constexpr int64_t PREFETCH = 16384;
 
-// The rows' inputs as the kernel multiplies them: xq [M, K] int16 or int8, s and (Q4_1) sx [M, K / 32] float32.
+// The rows' inputs as the kernel multiplies them: xq [M, K] int16 or int8, s, (Q4_1) sx [M, K / 32] float32 and
+// (8-bit) xsum [M, K / 32] int32.
 struct Inputs {
-  const int16_t* xq;   // 16-bit inputs, or
-  const int8_t* xq8;   // 8-bit inputs (Q4_1), each group of 8 k in the order of PERM8
+  const int16_t* xq;     // 16-bit inputs, or
+  const int8_t* xq8;     // 8-bit inputs, each group of 8 k in the order of PERM8
   const float* s;
   const float* sx;
+  const int32_t* xsum;  // sum(xq) of a block (8-bit)
   int64_t K;
 };
 
-// x [M, K] float32 -> xq (int16, or int8 in PERM8's order), s, sx (see the file's head): per row and block,
-// s = max |x| / L, xq = round-to-nearest-even(x * (L / max |x|)) (0 where the block is 0), sx = s * sum(xq).
+// x [M, K] float32 -> xq (int16, or int8 in PERM8's order), s, sx, xsum (see the file's head): per row and block,
+// s = max |x| / L, xq = round-to-nearest-even(x * (L / max |x|)) (0 where the block is 0), xsum = sum(xq),
+// sx = s * xsum.
 template <int XB>
-void quantize_rows(const float* x, int64_t M, int64_t K, void* xq, float* s, float* sx) {
+void quantize_rows(const float* x, int64_t M, int64_t K, void* xq, float* s, float* sx, int32_t* xsum) {
   constexpr float L = XB == 16 ? 32767.f : 127.f;
   for (int64_t i = 0; i < M * (K / QK); i++) {  // block i of all rows: at x + i * 32
     const float amax = block_amax(x + i * QK), inv = amax > 0.f ? L / amax : 0.f;
     const int32_t isum = XB == 16 ? round16(x + i * QK, inv, static_cast<int16_t*>(xq) + i * QK)
                                   : round8(x + i * QK, inv, static_cast<int8_t*>(xq) + i * QK);
-    s[i] = amax / L, sx[i] = s[i] * static_cast<float>(isum);
+    s[i] = amax / L, sx[i] = s[i] * static_cast<float>(isum), xsum[i] = isum;
   }
 }
 
@@ -238,16 +255,21 @@ void tile(const Inputs& in, const uint8_t* panel, int64_t pstride, float* out, i
         }
       }
     } else {
+      static_assert(QT == Q4_1 || XB == 8, "Q8_0 blocks take 8-bit inputs");
+      const int8_t* xb8 = in.xq8 + b * QK;
 #pragma GCC unroll 4
-      for (int i = 0; i < QK / 2; i++) {
-        vi w[NV];
-        for (int v = 0; v < NV; v++) w[v] = s8pairs(blk[v] + 2 * NB + (i * NB + col[v]) * 2);
+      for (int g = 0; g < QK / 8; g++) {
+        vi w[2][NV];
+        for (int h = 0; h < 2; h++)
+          for (int v = 0; v < NV; v++) w[h][v] = load(blk[v] + 2 * NB + ((2 * g + h) * NB + col[v]) * 4);
 #pragma GCC unroll 8
         for (int m = 0; m < ROWS; m++) {
-          const vi xp = bcast32(xb + m * K + 2 * i);
-          for (int v = 0; v < NV; v++) isum[m][v] = dot(isum[m][v], w[v], xp);
+          const vi x0 = bcast32(xb8 + m * K + 8 * g), x1 = bcast32(xb8 + m * K + 8 * g + 4);
+          for (int v = 0; v < NV; v++) isum[m][v] = dot8u(dot8u(isum[m][v], w[0][v], x0), w[1][v], x1);
         }
       }
+      for (int m = 0; m < ROWS; m++)  // u = q + 128: sum(u * xq) - 128 * sum(xq) = sum(q * xq)
+        for (int v = 0; v < NV; v++) isum[m][v] = isub(isum[m][v], 128 * in.xsum[m * nblocks + b]);
     }
     for (int v = 0; v < NV; v++) {
       const vf d = from_fp16(reinterpret_cast<const uint16_t*>(blk[v]) + col[v]);
@@ -299,7 +321,7 @@ void run(const Inputs& in, int64_t M, const uint8_t* wp, int64_t P, int64_t N, c
         const int nv = std::min(nv_for(rows), 2 * np);  // vectors of columns a tile covers
         const TileFn fn = tile_of<QT, XB>(rows, nv);
         const Inputs rows_in{XB == 16 ? in.xq + m0 * in.K : nullptr, XB == 8 ? in.xq8 + m0 * in.K : nullptr,
-                             in.s + m0 * nblocks, in.sx + m0 * nblocks, in.K};
+                             in.s + m0 * nblocks, in.sx + m0 * nblocks, in.xsum + m0 * nblocks, in.K};
         for (int h0 = 0; h0 < 2 * np && h0 * VL < pcols; h0 += nv)
           fn(rows_in, panel, pstride, op + m0 * N + p * NB + h0 * VL, N, bp ? bp + p * NB + h0 * VL : nullptr,
              std::min(nv * VL, pcols - h0 * VL), h0);
@@ -313,8 +335,8 @@ at::Tensor quant_panel_linear(const at::Tensor& x, const at::Tensor& panels, con
                               int64_t out_features, int64_t qtype, int64_t input_bits) {
   TORCH_CHECK(qtype == Q4_1 || qtype == Q8_0, "eagle::quant_panel_linear: qtype ", qtype,
               " is not Q4_1 (3) or Q8_0 (8)");
-  TORCH_CHECK(input_bits == 16 || (input_bits == 8 && qtype == Q4_1), "eagle::quant_panel_linear: input_bits ",
-              input_bits, " is not 16, or 8 with Q4_1 weights");
+  TORCH_CHECK(input_bits == 8 || (input_bits == 16 && qtype == Q4_1), "eagle::quant_panel_linear: input_bits ",
+              input_bits, " is not 8, or 16 with Q4_1 weights");
   TORCH_CHECK(x.scalar_type() == at::kFloat && panels.scalar_type() == at::kByte,
               "eagle::quant_panel_linear takes float32 x and uint8 panels (got ", x.scalar_type(), ", ",
               panels.scalar_type(), ")");
@@ -338,18 +360,19 @@ at::Tensor quant_panel_linear(const at::Tensor& x, const at::Tensor& panels, con
   shape.back() = N;
   at::Tensor out = at::empty(shape, x.options());
   std::vector<float> s(M * (K / QK)), sx(M * (K / QK));
+  std::vector<int32_t> xsum(M * (K / QK));
   const float* bp = bc.defined() ? bc.data_ptr<float>() : nullptr;
   const uint8_t* wp = wc.data_ptr<uint8_t>();
   float* op = out.data_ptr<float>();
   if (input_bits == 8) {
     std::vector<int8_t> xq(M * K);
-    quantize_rows<8>(xc.data_ptr<float>(), M, K, xq.data(), s.data(), sx.data());
-    run<Q4_1, 8>(Inputs{nullptr, xq.data(), s.data(), sx.data(), K}, M, wp, panels.size(0), N, bp, op);
+    quantize_rows<8>(xc.data_ptr<float>(), M, K, xq.data(), s.data(), sx.data(), xsum.data());
+    const Inputs in{nullptr, xq.data(), s.data(), sx.data(), xsum.data(), K};
+    (qtype == Q4_1 ? run<Q4_1, 8> : run<Q8_0, 8>)(in, M, wp, panels.size(0), N, bp, op);
   } else {
     std::vector<int16_t> xq(M * K);
-    quantize_rows<16>(xc.data_ptr<float>(), M, K, xq.data(), s.data(), sx.data());
-    const Inputs in{xq.data(), nullptr, s.data(), sx.data(), K};
-    (qtype == Q4_1 ? run<Q4_1, 16> : run<Q8_0, 16>)(in, M, wp, panels.size(0), N, bp, op);
+    quantize_rows<16>(xc.data_ptr<float>(), M, K, xq.data(), s.data(), sx.data(), xsum.data());
+    run<Q4_1, 16>(Inputs{xq.data(), nullptr, s.data(), sx.data(), xsum.data(), K}, M, wp, panels.size(0), N, bp, op);
   }
   return out;
 }
@@ -359,7 +382,7 @@ int64_t quant_panel_width() { return NB; }
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(eagle, m) {
-  m.def("quant_panel_linear(Tensor x, Tensor panels, Tensor? bias, int out_features, int qtype, int input_bits=16) -> Tensor");
+  m.def("quant_panel_linear(Tensor x, Tensor panels, Tensor? bias, int out_features, int qtype, int input_bits=8) -> Tensor");
   m.def("quant_panel_width() -> int");
 }
 

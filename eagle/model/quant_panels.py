@@ -16,11 +16,13 @@ Q4_1, Q8_0 = 3, 8  # ggml's type numbers (gguf.GGMLQuantizationType), passed to 
 NAMES = {Q4_1: "q4_1", Q8_0: "q8_0"}
 BLOCK = 32  # weights per block
 BLOCK_BYTES = {Q4_1: 20, Q8_0: 34}  # bytes per block in the file
-# The inputs' rounding the engine uses per weight type, one arithmetic for every pass (batch invariance): Q4_1 blocks
-# take 8-bit inputs as llama.cpp's Q4_1 x Q8_1 product does (twice the multiply-adds per instruction; on the embedded
-# default as faithful to the float32 model as llama.cpp's Q4_1, BENCHMARKS.md), Q8_0 (the lm_head, a draft head)
-# 16-bit ones (the kernel has no 8 x 8-bit product).
-INPUT_BITS = {Q4_1: 8, Q8_0: 16}
+# The inputs' rounding the engine uses per weight type, one arithmetic for every pass (batch invariance): 8-bit
+# inputs as llama.cpp's Q4_1 x Q8_1 and Q8_0 x Q8_0 products (four multiply-adds a lane per instruction where 16-bit
+# inputs give two; on the embedded default as faithful to the float32 model as llama.cpp, BENCHMARKS.md). Q4_1 also
+# takes 16-bit inputs (the kernel's other arithmetic, for comparison); Q8_0 only 8-bit ones.
+INPUT_BITS = {Q4_1: 8, Q8_0: 8}
+# The order of a group of 8 k in which the kernel takes 8-bit inputs (quant_linear.cpp's PERM8): Q8_0's words match it
+PERM8 = (0, 4, 1, 5, 2, 6, 3, 7)
 
 
 def width() -> int:
@@ -56,7 +58,8 @@ def pack(qtype: int, blocks: torch.Tensor, nb: int | None = None) -> torch.Tenso
     """blocks uint8 [N, K / 32 * BLOCK_BYTES] -> panels uint8 [ceil(N / NB), K / 32 * BLOCK_BYTES * NB] (a new
     tensor; zero columns past N: d = m = q = 0, weights 0). Per panel, block after block: d[NB] fp16, (Q4_1) m[NB]
     fp16, then Q4_1 4 groups of 8 k x NB uint32 words (the group's q[k + 2p] in bits 4p..4p+3, q[k + 2p + 1] in
-    bits 16+4p..19+4p), Q8_0 16 k-pairs x NB int8 pairs (q[2i], q[2i + 1]): quant_linear.cpp's layout."""
+    bits 16+4p..19+4p), Q8_0 4 groups of 8 k x 2 x NB uint32 words (word h: q + 128 of k + PERM8[4h + i] in byte
+    i): quant_linear.cpp's layout."""
     nb = nb or width()
     d, m, q = _split(qtype, blocks)
     n, nblocks = d.shape
@@ -75,7 +78,9 @@ def pack(qtype: int, blocks: torch.Tensor, nb: int | None = None) -> torch.Tenso
         words = ((pairs[..., 0] << shifts) | (pairs[..., 1] << (shifts + 16))).sum(-1, dtype=torch.int32)
         parts += [panels(m), panels(words)]  # [P, nblocks, 2 NB], [.., 16 NB]: words [N, nblocks, 4]
     else:
-        parts.append(panels(q.contiguous().view(torch.int16)))  # [P, nblocks, 32 NB]: pairs [N, nblocks, 16]
+        u = (q.to(torch.int16) + 128).to(torch.uint8).view(n, nblocks, 4, 8)[..., PERM8]  # [N, nblocks, group, 8]
+        words = u.contiguous().view(torch.int32)  # [N, nblocks, 4, 2]: word h holds bytes 4h..4h+3
+        parts.append(panels(words.reshape(n, nblocks, 8)))  # [P, nblocks, 32 NB]
     return torch.cat(parts, dim=-1).reshape(p, -1)  # [P, nblocks * BLOCK_BYTES * NB]
 
 
