@@ -138,7 +138,7 @@ assert (torch.ops.eagle.row_attention(q, k, v, None, 40**-0.5) - ref).abs().max(
     [("-mno-avx512f",), ("-mno-avx512f", "-mno-avxvnni"), ("-mno-avx512vnni",)],
     ids=["avx2", "avx2-no-vnni", "native-no-avx512-vnni"],
 )
-def test_the_avx2_build_computes_the_same(tmp_path, flags):
+def test_the_avx2_and_no_vnni_builds_compute_the_same(tmp_path, flags):
     """The AVX2 code (CI machines without AVX-512) built and checked here too, in a process of its own (the
     attention of row_attention.cpp too); without AVX-VNNI too (a Zen 3: the integer dot products by vpmaddubsw and
     vpmaddwd), and this machine's build without AVX-512 VNNI (a Skylake-X, where it has AVX-512)."""
