@@ -178,6 +178,13 @@ constexpr int64_t block_bytes(int64_t qtype) { return qtype == Q4_1 ? 20 * NB : 
 // left one row streaming below the machine's bandwidth; a prefetch past the end never faults).
 constexpr int64_t PREFETCH = 16384;
 
+// The 8-bit product of a weight type: dot8 for Q4_1's nibbles (<= 15), dot8u for Q8_0's bytes (any value)
+template <int64_t QT>
+static inline vi dot8_of(vi acc, vi u, vi s) {
+  if constexpr (QT == Q4_1) return dot8(acc, u, s);
+  else return dot8u(acc, u, s);
+}
+
 // The rows' inputs as the kernel multiplies them: xq [M, K] int16 or int8, s, (Q4_1) sx [M, K / 32] float32 and
 // (8-bit) xsum [M, K / 32] int32.
 struct Inputs {
@@ -224,22 +231,30 @@ void tile(const Inputs& in, const uint8_t* panel, int64_t pstride, float* out, i
     vi isum[ROWS][NV];
     for (int m = 0; m < ROWS; m++)
       for (int v = 0; v < NV; v++) isum[m][v] = izero();
-    if constexpr (QT == Q4_1 && XB == 8) {
+    if constexpr (XB == 8) {  // four bytes a lane in PERM8's order: Q4_1's nibbles, or Q8_0's u = q + 128
       const int8_t* xb8 = in.xq8 + b * QK;
 #pragma GCC unroll 4
       for (int g = 0; g < QK / 8; g++) {
         vi w[2][NV];
         for (int v = 0; v < NV; v++) {
-          const vi word = load(blk[v] + 4 * NB + (g * NB + col[v]) * 4);
-          w[0][v] = nibbles(word, 0), w[1][v] = nibbles(word, 1);
+          if constexpr (QT == Q4_1) {
+            const vi word = load(blk[v] + 4 * NB + (g * NB + col[v]) * 4);
+            w[0][v] = nibbles(word, 0), w[1][v] = nibbles(word, 1);
+          } else {
+            for (int h = 0; h < 2; h++) w[h][v] = load(blk[v] + 2 * NB + ((2 * g + h) * NB + col[v]) * 4);
+          }
         }
 #pragma GCC unroll 8
         for (int m = 0; m < ROWS; m++) {
           const vi x0 = bcast32(xb8 + m * K + 8 * g), x1 = bcast32(xb8 + m * K + 8 * g + 4);
-          for (int v = 0; v < NV; v++) isum[m][v] = dot8(dot8(isum[m][v], w[0][v], x0), w[1][v], x1);
+          for (int v = 0; v < NV; v++) isum[m][v] = dot8_of<QT>(dot8_of<QT>(isum[m][v], w[0][v], x0), w[1][v], x1);
         }
       }
-    } else if constexpr (QT == Q4_1) {
+      if constexpr (QT == Q8_0)
+        for (int m = 0; m < ROWS; m++)  // sum(u * xq) - 128 * sum(xq) = sum(q * xq)
+          for (int v = 0; v < NV; v++) isum[m][v] = isub(isum[m][v], 128 * in.xsum[m * nblocks + b]);
+    } else {
+      static_assert(QT == Q4_1, "Q8_0 blocks take 8-bit inputs");
       for (int g = 0; g < QK / 8; g++) {
         vi words[NV];
         for (int v = 0; v < NV; v++) words[v] = load(blk[v] + 4 * NB + (g * NB + col[v]) * 4);
@@ -254,22 +269,6 @@ void tile(const Inputs& in, const uint8_t* panel, int64_t pstride, float* out, i
           }
         }
       }
-    } else {
-      static_assert(QT == Q4_1 || XB == 8, "Q8_0 blocks take 8-bit inputs");
-      const int8_t* xb8 = in.xq8 + b * QK;
-#pragma GCC unroll 4
-      for (int g = 0; g < QK / 8; g++) {
-        vi w[2][NV];
-        for (int h = 0; h < 2; h++)
-          for (int v = 0; v < NV; v++) w[h][v] = load(blk[v] + 2 * NB + ((2 * g + h) * NB + col[v]) * 4);
-#pragma GCC unroll 8
-        for (int m = 0; m < ROWS; m++) {
-          const vi x0 = bcast32(xb8 + m * K + 8 * g), x1 = bcast32(xb8 + m * K + 8 * g + 4);
-          for (int v = 0; v < NV; v++) isum[m][v] = dot8u(dot8u(isum[m][v], w[0][v], x0), w[1][v], x1);
-        }
-      }
-      for (int m = 0; m < ROWS; m++)  // u = q + 128: sum(u * xq) - 128 * sum(xq) = sum(q * xq)
-        for (int v = 0; v < NV; v++) isum[m][v] = isub(isum[m][v], 128 * in.xsum[m * nblocks + b]);
     }
     for (int v = 0; v < NV; v++) {
       const vf d = from_fp16(reinterpret_cast<const uint16_t*>(blk[v]) + col[v]);
