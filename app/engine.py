@@ -162,7 +162,7 @@ class Engine:
             if self._waiting or not self._lock.acquire(blocking=False):
                 raise EngineBusy("the model is in use")
         else:
-            with self._wanted():
+            with self.wanted():
                 acquired = self._lock.acquire(timeout=timeout)
             if not acquired:
                 raise EngineBusy("the model is busy with another generation; try again")
@@ -186,14 +186,15 @@ class Engine:
 
     def waiting_lines(self, poll_s: float = 0.5) -> Iterator[str]:
         """While a unit of idle work holds the model: what it is, every `poll_s`; no further unit starts meanwhile."""
-        with self._wanted():
+        with self.wanted():
             while (line := self.busy_line()) is not None:
                 yield line
                 time.sleep(poll_s)
 
     @contextlib.contextmanager
-    def _wanted(self):
-        """A generation wants the model: idle work starts no unit meanwhile."""
+    def wanted(self):
+        """A generation wants the model: idle work starts no unit meanwhile (a reply holds this across its runs,
+        so that its vanilla check follows it with nothing between)."""
         with self._waiting_lock:
             self._waiting += 1
         try:

@@ -344,8 +344,9 @@ def make_handlers(engine):
         accepted drafts), context_tokens_accepted (of those, context copies), share_from_base, share_from_head
         and share_from_context (fractions of new_tokens, adding up to 1; None before any token),
         vanilla_tokens_per_s and speedup (vanilla_source names the reference: this reply decoded again without
-        EAGLE when time_vanilla is set, else vanilla decoding on the same forwards timed while the app was idle,
-        over this reply's length; none while that is being timed), and forwards: what the reply ran on, "eager"
+        EAGLE when time_vanilla is set, else this prompt decoded without EAGLE for 32 tokens right after the reply
+        (while it streams: vanilla decoding on the same forwards timed while the app was idle; none while that is
+        being timed), over this reply's length), and forwards: what the reply ran on, "eager"
         or "compiled")."""
         settings = Settings.parse(temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=max_new_tokens,
                                   eagle=use_eagle, time_vanilla=time_vanilla, context_drafts=context_drafts,

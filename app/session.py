@@ -9,6 +9,7 @@ the other, and yields both panes as they grow.
 from __future__ import annotations
 
 import math
+import statistics
 from dataclasses import dataclass, field, replace
 from typing import Callable, Iterator, Sequence
 
@@ -16,11 +17,15 @@ from eagle.chat.templates import PromptTooLong, Turn
 from eagle.model.generate import Round
 
 from .highlight import Reply, render
+from .idle_work import VanillaReference
 from .stats import SHARES, RunStats, with_vanilla
 
 MAX_NEW_TOKENS_LIMIT = 4096
 RERUN_SOURCE = "this reply decoded again without EAGLE (same prompt, length and forwards), timed on its own"
 COMPARE_SOURCE = "the vanilla run of this prompt beside it, timed on its own"
+CHECK_TOKENS = 32  # vanilla steps timed right after a default EAGLE reply: the reference of its final speedup
+CHECK_SOURCE = ("this prompt decoded without EAGLE for {n} tokens right after the reply (same forwards): its step "
+                "time over this reply's length and prefill")
 
 
 @dataclass(frozen=True)
@@ -147,9 +152,11 @@ def respond(engine, message: str, turns: Sequence[Turn], settings: Settings,
     """Answer `message` after `turns` (earlier (user, reply) pairs). `stop()` is polled after every round: when it
     returns True the reply ends there (figures stop = "stopped").
 
-    The speedup of an EAGLE reply is against vanilla decoding on the same path (eager or compiled forwards): this
-    prompt decoded again without EAGLE when `settings.time_vanilla`, else the engine's vanilla reference for the
-    path, timed while idle, over this reply's length and prefill. Without one (yet), no speedup is given."""
+    The speedup of an EAGLE reply is against vanilla decoding on the same path (eager or compiled forwards). While
+    it streams: the engine's vanilla reference for the path, timed while idle, over the reply's length and prefill
+    (without one yet, no speedup is given). When it is done: this prompt decoded again without EAGLE, in full when
+    `settings.time_vanilla`, else for CHECK_TOKENS tokens (`vanilla_check`), timed right after the reply: a VM's
+    speed drifts by a fifth within minutes, and a reference timed seconds apart from the reply drifts with it."""
     message = clean_text(message)
     if not message.strip():
         error = "Empty message: type something first."
@@ -183,27 +190,32 @@ def respond(engine, message: str, turns: Sequence[Turn], settings: Settings,
 
     measured = None
     try:
-        if stop():  # stopped before it began (while waiting in the queue)
-            stats.stop = "stopped"
-        for r in _run(engine, fit.ids, stop, eagle=settings.eagle, max_new_tokens=settings.max_new_tokens,
-                      context_drafts=settings.context_drafts,
-                      **_sampling(settings)) if not stats.stop else ():  # fmt: skip
-            path = path or engine.path
-            reply.add_round(r.tokens, r.accepted, r.context)
-            stats.add(r)
-            yield update()
-        if not stats.stop:
-            stats.stop = "stopped"
-        elif settings.eagle and stats.new_tokens:
-            engine.record_reply(path, stats.new_tokens, stats.rounds, stats.seconds)
-        if settings.eagle and settings.time_vanilla and stats.new_tokens and stats.stop != "stopped":
-            yield update()  # the reply is complete; the figures wait for the vanilla run
-            base, base_path = RunStats(eagle=False), None
-            for r in _run(engine, fit.ids, stop, eagle=False, max_new_tokens=stats.new_tokens, **_sampling(settings)):
-                base_path = base_path or engine.path
-                base.add(r)
-            if base.stop and base_path == path:  # finished, not stopped, on the same forwards
-                measured = (base.tokens_per_s, RERUN_SOURCE)
+        with engine.wanted():  # no idle work between the reply and its vanilla check
+            if stop():  # stopped before it began (while waiting in the queue)
+                stats.stop = "stopped"
+            for r in _run(engine, fit.ids, stop, eagle=settings.eagle, max_new_tokens=settings.max_new_tokens,
+                          context_drafts=settings.context_drafts,
+                          **_sampling(settings)) if not stats.stop else ():  # fmt: skip
+                path = path or engine.path
+                reply.add_round(r.tokens, r.accepted, r.context)
+                stats.add(r)
+                yield update()
+            if not stats.stop:
+                stats.stop = "stopped"
+            elif settings.eagle and stats.new_tokens:
+                engine.record_reply(path, stats.new_tokens, stats.rounds, stats.seconds)
+            if settings.eagle and settings.time_vanilla and stats.new_tokens and stats.stop != "stopped":
+                yield update()  # the reply is complete; the figures wait for the vanilla run
+                base, base_path = RunStats(eagle=False), None
+                for r in _run(engine, fit.ids, stop, eagle=False, max_new_tokens=stats.new_tokens,
+                              **_sampling(settings)):  # fmt: skip
+                    base_path = base_path or engine.path
+                    base.add(r)
+                if base.stop and base_path == path:  # finished, not stopped, on the same forwards
+                    measured = (base.tokens_per_s, RERUN_SOURCE)
+            elif settings.eagle and stats.new_tokens > 2 and stats.stop != "stopped":
+                yield update()  # the reply is complete; the figures wait for the vanilla check (a fraction of a second)
+                measured = vanilla_check(engine, fit.ids, stop, path, stats, settings)
     except Exception as e:  # never lose the session over one failed generation
         final = update(done=True)
         final.error = f"Generation failed: {type(e).__name__}: {e}"
@@ -212,6 +224,25 @@ def respond(engine, message: str, turns: Sequence[Turn], settings: Settings,
         yield final
         return
     yield update(done=True, measured=measured)
+
+
+def vanilla_check(engine, ids, stop: Callable[[], bool], path: str, stats: RunStats,
+                  settings: Settings) -> tuple[float, str] | None:  # fmt: skip
+    """(vanilla tokens/s, source) for the EAGLE reply `stats` on `path`: the prompt `ids` decoded without EAGLE for
+    up to CHECK_TOKENS tokens, its median step time applied to the reply's length and prefill (`VanillaReference`);
+    None when it was stopped, ran on other forwards or made fewer than three steps (then the idle reference
+    stands)."""
+    steps, check_path = [], None  # steps: the rounds' seconds, the first being the prefill
+    for r in _run(engine, ids, stop, eagle=False, max_new_tokens=min(stats.new_tokens, CHECK_TOKENS),
+                  **_sampling(settings)):  # fmt: skip
+        check_path = check_path or engine.path
+        if r.stop == "stopped":
+            return None
+        steps.append(r.seconds)
+    if check_path != path or len(steps) < 3:
+        return None
+    ref = VanillaReference(path, statistics.median(steps[1:]), CHECK_SOURCE.format(n=len(steps)))
+    return stats.new_tokens / ref.seconds(stats.first_round_s, stats.new_tokens), ref.source
 
 
 def reference_figures(engine, path: str | None, stats: RunStats) -> tuple[float | None, str | None]:

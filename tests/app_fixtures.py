@@ -115,6 +115,9 @@ class ModelFreeEngine:
     def waiting_lines(self):
         return iter(())
 
+    def wanted(self):
+        return contextlib.nullcontext()
+
 
 class ScriptedEngine(ModelFreeEngine):
     """Answers every message with the same rounds: what the page needs of an Engine, without a model."""

@@ -126,7 +126,7 @@ def test_idle_work_waits_for_a_reply_and_a_waiting_reply_goes_first(own_cache, t
     assert engine.idle_step() is False and ran == []
     reply.close()
     assert engine.idle_step() is True and ran == [0]
-    with engine._wanted():  # a message waits for the model: no unit starts
+    with engine.wanted():  # a message waits for the model: no unit starts
         assert engine.idle_step() is False and ran == [0]
     engine.run_idle_work()
     assert ran == [0, 1, 2] and engine.jobs == []

@@ -213,6 +213,42 @@ def test_respond_vanilla_and_time_vanilla(engine):
     assert e.figures["vanilla_source"].startswith("this reply decoded again without EAGLE")
 
 
+def test_the_final_speedup_is_against_vanilla_timed_right_after_the_reply(engine):
+    from app.idle_work import VanillaReference
+
+    saved = dict(engine.references)
+    try:
+        engine.references.clear()  # no idle reference yet: no figure while the reply streams
+        ups = list(respond(engine, "w7 w8 w9", [], Settings(max_new_tokens=20)))
+        assert all(u.figures["speedup"] is None and u.figures["vanilla_source"].startswith("timing vanilla")
+                   for u in ups[:-1] if u.figures["new_tokens"])  # fmt: skip
+        final = ups[-1].figures
+        n = final["new_tokens"]
+        assert n > 2 and final["speedup"] > 0
+        assert final["vanilla_source"].startswith(f"this prompt decoded without EAGLE for {n} tokens right after")
+        # an idle reference of an absurd slowness (a second a step): the live figures use it, the final one does not
+        engine.set_reference(VanillaReference("eager", 1.0, "timed while idle"))
+        ups = list(respond(engine, "w7 w8 w9", [], Settings(max_new_tokens=40)))
+        live = ups[-2].figures  # the reply complete, the check not yet done
+        assert live["speedup"] > 10 and live["vanilla_source"].startswith("timed while idle")
+        assert ups[-1].figures["speedup"] < 10
+        assert ups[-1].figures["vanilla_source"].startswith("this prompt decoded without EAGLE for 32 tokens")
+        stopped = list(respond(engine, "w7 w8 w9", [], Settings(max_new_tokens=40), stop=stop_after(4)))[-1]
+        assert stopped.figures["vanilla_source"].startswith("timed while idle")  # a stopped reply: no check
+    finally:
+        engine.references = saved
+
+
+def stop_after(calls: int):
+    seen = []
+
+    def stop():
+        seen.append(1)
+        return len(seen) > calls
+
+    return stop
+
+
 def test_respond_bad_input_and_truncation(engine):
     assert list(respond(engine, "   ", [], Settings()))[-1].error
     too_long = list(respond(engine, "w9 " * 500, [], Settings(max_new_tokens=8)))[-1]
