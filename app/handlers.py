@@ -229,7 +229,7 @@ def make_handlers(engine):
                     turn["notice"] = u.error or u.figures["notice"]
             if turn in state["turns"]:  # not cleared or regenerated meanwhile
                 state["figures"] = u.figures
-            if throttle(u.done):
+            if throttle(u.done or u.complete):
                 yield chat_messages(state, settings.highlight), figures_html(state["figures"], not u.done), state
 
     def unanswered(state) -> bool:
@@ -356,7 +356,7 @@ def make_handlers(engine):
         throttle = Throttle()
         for u in respond(engine, message, turns, settings):
             figs = dict(u.figures, error=u.error) if u.error else u.figures
-            if throttle(u.done):
+            if throttle(u.done or u.complete):
                 yield u.html, u.text, figs  # rendered as the page renders it (highlights: EAGLE runs only)
 
     return dict(add_message=add_message, bot=bot, unanswered=unanswered, regenerate=regenerate, clear=clear, stop=stop,

@@ -118,6 +118,7 @@ class Update:
     done: bool = False
     error: str | None = None  # the message could not be answered (nothing was generated)
     highlight: bool = True  # whether `html` marks the accepted draft tokens
+    complete: bool = False  # the reply's text is final (its figures wait for a vanilla run): shown at once
 
     @property
     def html(self) -> str:
@@ -181,12 +182,12 @@ def respond(engine, message: str, turns: Sequence[Turn], settings: Settings,
     reply, stats = Reply(engine.tokenizer), RunStats(eagle=settings.eagle)
     path = None  # the path this reply runs on, read after its first round (it cannot change during a run)
 
-    def update(done=False, measured=None) -> Update:
+    def update(done=False, measured=None, complete=False) -> Update:
         figs = with_vanilla(stats.as_dict(), *(measured or reference_figures(engine, path, stats)))
         figs.update(prompt_tokens=len(fit.ids), dropped_turns=fit.dropped, notice=notice,
                     input_notices=list(settings.notices), forwards=path)  # fmt: skip
         return Update(reply.text, [list(m) for m in reply.marks], figs, done,
-                      highlight=settings.highlight and settings.eagle)  # fmt: skip
+                      highlight=settings.highlight and settings.eagle, complete=complete)  # fmt: skip
 
     measured = None
     try:
@@ -205,7 +206,7 @@ def respond(engine, message: str, turns: Sequence[Turn], settings: Settings,
             elif settings.eagle and stats.new_tokens:
                 engine.record_reply(path, stats.new_tokens, stats.rounds, stats.seconds)
             if settings.eagle and settings.time_vanilla and stats.new_tokens and stats.stop != "stopped":
-                yield update()  # the reply is complete; the figures wait for the vanilla run
+                yield update(complete=True)  # the reply is complete; the figures wait for the vanilla run
                 base, base_path = RunStats(eagle=False), None
                 for r in _run(engine, fit.ids, stop, eagle=False, max_new_tokens=stats.new_tokens,
                               **_sampling(settings)):  # fmt: skip
@@ -214,7 +215,7 @@ def respond(engine, message: str, turns: Sequence[Turn], settings: Settings,
                 if base.stop and base_path == path:  # finished, not stopped, on the same forwards
                     measured = (base.tokens_per_s, RERUN_SOURCE)
             elif settings.eagle and stats.new_tokens > 2 and stats.stop != "stopped":
-                yield update()  # the reply is complete; the figures wait for the vanilla check (a fraction of a second)
+                yield update(complete=True)  # the reply is complete; its figures wait for the vanilla check
                 measured = vanilla_check(engine, fit.ids, stop, path, stats, settings)
     except Exception as e:  # never lose the session over one failed generation
         final = update(done=True)

@@ -63,13 +63,23 @@ class App:
 
 
 def ask(client, **kw) -> dict:
-    *_, figures = client.predict(PROMPT, max_new_tokens=128, api_name="/chat", **kw)
+    """The reply's final figures, with `idle_vanilla_tokens_per_s`: the vanilla figure of the update that completed
+    its text (vanilla timed while idle, over the reply's length and prefill), before the final one's."""
+    job = client.submit(PROMPT, max_new_tokens=128, api_name="/chat", **kw)
+    *_, figures = job.result()
+    streamed = [out[2] for out in job.outputs()[:-1]]
+    figures["idle_vanilla_tokens_per_s"] = streamed[-1]["vanilla_tokens_per_s"] if streamed else None
     return figures
 
 
-def check_pairs(client, forwards: str, pairs: int = 3) -> None:
+def check_pairs(client, forwards: str, per_reply: bool = True, medians: float = 0.2, rerun: float = 0.9,
+                pairs: int = 3) -> None:  # fmt: skip
     """The default figure (this prompt's vanilla timed for 32 tokens right after the reply) against the whole reply
-    decoded again without EAGLE, `pairs` times: each pair, and their medians, within 20%."""
+    decoded again without EAGLE, `pairs` times: each pair within 20% (`per_reply`), their medians within `medians`,
+    and the reruns' vanilla at least `rerun` x the idle reference's. Looser while a compile is under way: then a
+    2-core VM's replies swing by a fifth to a third between runs seconds apart, EAGLE's as much as vanilla's
+    (BENCHMARKS.md, "A reply's speedup against vanilla timed beside it"), so one run's figure cannot match another
+    run's that closely."""
     deadline = time.monotonic() + 300
     while not ask(client)["speedup"]:  # until vanilla is timed on these forwards (idle work, first)
         assert time.monotonic() < deadline, "no vanilla reference after 300 s"
@@ -78,20 +88,22 @@ def check_pairs(client, forwards: str, pairs: int = 3) -> None:
     for _ in range(pairs):
         shown.append(ask(client))
         measured.append(ask(client, time_vanilla=True))
-        print(f"{forwards}: shown {shown[-1]['speedup']}x (EAGLE {shown[-1]['tokens_per_s']}, vanilla projected "
-              f"{shown[-1]['vanilla_tokens_per_s']} tokens/s), measured {measured[-1]['speedup']}x (EAGLE "
+        print(f"{forwards}: shown {shown[-1]['speedup']}x (EAGLE {shown[-1]['tokens_per_s']}, vanilla checked "
+              f"{shown[-1]['vanilla_tokens_per_s']} tokens/s, timed while idle "
+              f"{shown[-1]['idle_vanilla_tokens_per_s']}), measured {measured[-1]['speedup']}x (EAGLE "
               f"{measured[-1]['tokens_per_s']}, vanilla rerun {measured[-1]['vanilla_tokens_per_s']})")  # fmt: skip
     assert {f["forwards"] for f in shown + measured} == {forwards}
     assert all(f["vanilla_source"].startswith("this prompt decoded without EAGLE for 32 tokens") for f in shown)
     for s, m in zip(shown, measured):
-        assert s["speedup"] >= 1.0 and abs(s["speedup"] / m["speedup"] - 1) <= 0.2, (s["speedup"], m["speedup"])
+        assert s["speedup"] >= 1.0, s
+        assert not per_reply or abs(s["speedup"] / m["speedup"] - 1) <= 0.2, (s["speedup"], m["speedup"])
     x_shown = statistics.median(f["speedup"] for f in shown)
     x_measured = statistics.median(f["speedup"] for f in measured)
-    assert x_shown >= 1.0 and abs(x_shown / x_measured - 1) <= 0.2, (x_shown, x_measured)
+    assert x_shown >= 1.0 and abs(x_shown / x_measured - 1) <= medians, (x_shown, x_measured)
     # a vanilla run during a reply decodes as fast as the idle reference says: nothing runs beside a reply
-    rerun = statistics.median(f["vanilla_tokens_per_s"] for f in measured)
-    projected = statistics.median(f["vanilla_tokens_per_s"] for f in shown)
-    assert rerun >= 0.9 * projected, (rerun, projected)
+    again = statistics.median(f["vanilla_tokens_per_s"] for f in measured)
+    idle = statistics.median(f["idle_vanilla_tokens_per_s"] for f in shown if f["idle_vanilla_tokens_per_s"])
+    assert again >= rerun * idle, (again, idle)
 
 
 def test_first_and_second_start_of_the_default(tmp_path):
@@ -108,11 +120,14 @@ def test_first_and_second_start_of_the_default(tmp_path):
         up = app.wait_for(r"EAGLE chat ready", 900)
         client = Client(f"http://127.0.0.1:{port}/", verbose=False)
         assert any("compiling" in line for _, line in app.lines)
-        check_pairs(client, "eager")  # during the compile
+        check_pairs(client, "eager", per_reply=False, medians=0.3, rerun=0.75)  # during the compile
         in_use = app.wait_for(r"compiled rounds in use", 900)
         print(f"first start: page up {up - app.started:.0f} s after launch, compiled rounds in use "
               f"{in_use - up:.0f} s after that")  # fmt: skip
-        check_pairs(client, "compiled")
+        check_pairs(client, "compiled", per_reply=False)  # the tuned tree and context rounds still compiling
+        done = app.wait_for(r"rounds with context drafts in compiled steps in use", 900)
+        print(f"first start: the last compiled rounds in use {done - up:.0f} s after the page")
+        check_pairs(client, "compiled")  # nothing left to compile
         verdicts = list((cache / "compiled").glob("*-verdict.json"))
         busy = any("another process used the CPU" in line for _, line in app.lines)
         assert busy or (len(verdicts) == 1 and json.loads(verdicts[0].read_text())["compiled_pays"])

@@ -229,7 +229,8 @@ def test_the_final_speedup_is_against_vanilla_timed_right_after_the_reply(engine
         # an idle reference of an absurd slowness (a second a step): the live figures use it, the final one does not
         engine.set_reference(VanillaReference("eager", 1.0, "timed while idle"))
         ups = list(respond(engine, "w7 w8 w9", [], Settings(max_new_tokens=40)))
-        live = ups[-2].figures  # the reply complete, the check not yet done
+        assert ups[-2].complete and ups[-2].text == ups[-1].text  # the text at once, the figures after the check
+        live = ups[-2].figures
         assert live["speedup"] > 10 and live["vanilla_source"].startswith("timed while idle")
         assert ups[-1].figures["speedup"] < 10
         assert ups[-1].figures["vanilla_source"].startswith("this prompt decoded without EAGLE for 32 tokens")
