@@ -231,14 +231,12 @@ def vanilla_check(engine, ids, stop: Callable[[], bool], path: str, stats: RunSt
                   settings: Settings) -> tuple[float, str] | None:  # fmt: skip
     """(vanilla tokens/s, source) for the EAGLE reply `stats` on `path`: the prompt `ids` decoded without EAGLE for
     up to CHECK_TOKENS tokens, its median step time applied to the reply's length and prefill (`VanillaReference`);
-    None when it was stopped, ran on other forwards or made fewer than three steps (then the idle reference
-    stands)."""
+    None when it ran on other forwards or made fewer than three steps (then the idle reference stands). A stop
+    asked for meanwhile ends it early: the steps made are still timed on their own."""
     steps, check_path = [], None  # steps: the rounds' seconds, the first being the prefill
     for r in _run(engine, ids, stop, eagle=False, max_new_tokens=min(stats.new_tokens, CHECK_TOKENS),
                   **_sampling(settings)):  # fmt: skip
         check_path = check_path or engine.path
-        if r.stop == "stopped":
-            return None
         steps.append(r.seconds)
     if check_path != path or len(steps) < 3:
         return None
