@@ -81,7 +81,7 @@ def check_pairs(client, forwards: str, per_reply: bool = True, medians: float = 
     (BENCHMARKS.md, "A reply's speedup against vanilla timed beside it"), so one run's figure cannot match another
     run's that closely."""
     deadline = time.monotonic() + 300
-    while not ask(client)["speedup"]:  # until vanilla is timed on these forwards (idle work, first)
+    while not ask(client)["speedup"]:  # until a reply ends with a figure (its check on these forwards)
         assert time.monotonic() < deadline, "no vanilla reference after 300 s"
         time.sleep(5)
     shown, measured = [], []
