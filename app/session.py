@@ -205,18 +205,11 @@ def respond(engine, message: str, turns: Sequence[Turn], settings: Settings,
                 stats.stop = "stopped"
             elif settings.eagle and stats.new_tokens:
                 engine.record_reply(path, stats.new_tokens, stats.rounds, stats.seconds)
-            if settings.eagle and settings.time_vanilla and stats.new_tokens and stats.stop != "stopped":
-                yield update(complete=True)  # the reply is complete; the figures wait for the vanilla run
-                base, base_path = RunStats(eagle=False), None
-                for r in _run(engine, fit.ids, stop, eagle=False, max_new_tokens=stats.new_tokens,
-                              **_sampling(settings)):  # fmt: skip
-                    base_path = base_path or engine.path
-                    base.add(r)
-                if base.stop and base_path == path:  # finished, not stopped, on the same forwards
-                    measured = (base.tokens_per_s, RERUN_SOURCE)
-            elif settings.eagle and stats.new_tokens > 2 and stats.stop != "stopped":
-                yield update(complete=True)  # the reply is complete; its figures wait for the vanilla check
-                measured = vanilla_check(engine, fit.ids, stop, path, stats, settings)
+            timed = settings.time_vanilla or stats.new_tokens > 2  # a check needs two steps after the prefill
+            if settings.eagle and stats.new_tokens and stats.stop != "stopped" and timed:
+                yield update(complete=True)  # the reply is complete; its figures wait for the vanilla run
+                vanilla = vanilla_rerun if settings.time_vanilla else vanilla_check
+                measured = vanilla(engine, fit.ids, stop, path, stats, settings)
     except Exception as e:  # never lose the session over one failed generation
         final = update(done=True)
         final.error = f"Generation failed: {type(e).__name__}: {e}"
@@ -227,20 +220,38 @@ def respond(engine, message: str, turns: Sequence[Turn], settings: Settings,
     yield update(done=True, measured=measured)
 
 
+def _vanilla_rounds(engine, ids, stop: Callable[[], bool], max_new_tokens: int,
+                    settings: Settings) -> tuple[list[Round], str | None]:  # fmt: skip
+    """The prompt `ids` decoded without EAGLE (until `stop()`): its rounds and the path they ran on."""
+    rounds, path = [], None
+    for r in _run(engine, ids, stop, eagle=False, max_new_tokens=max_new_tokens, **_sampling(settings)):
+        path = path or engine.path
+        rounds.append(r)
+    return rounds, path
+
+
+def vanilla_rerun(engine, ids, stop: Callable[[], bool], path: str, stats: RunStats,
+                  settings: Settings) -> tuple[float, str] | None:  # fmt: skip
+    """(vanilla tokens/s, source) for the EAGLE reply `stats` on `path`: the prompt `ids` decoded again without
+    EAGLE for the reply's length; None when it was stopped or ran on other forwards."""
+    rounds, rerun_path = _vanilla_rounds(engine, ids, stop, stats.new_tokens, settings)
+    base = RunStats(eagle=False)
+    for r in rounds:
+        base.add(r)
+    return (base.tokens_per_s, RERUN_SOURCE) if base.stop and rerun_path == path else None
+
+
 def vanilla_check(engine, ids, stop: Callable[[], bool], path: str, stats: RunStats,
                   settings: Settings) -> tuple[float, str] | None:  # fmt: skip
     """(vanilla tokens/s, source) for the EAGLE reply `stats` on `path`: the prompt `ids` decoded without EAGLE for
     up to CHECK_TOKENS tokens, its median step time applied to the reply's length and prefill (`VanillaReference`);
     None when it ran on other forwards or made fewer than three steps (then the idle reference stands). A stop
     asked for meanwhile ends it early: the steps made are still timed on their own."""
-    steps, check_path = [], None  # steps: the rounds' seconds, the first being the prefill
-    for r in _run(engine, ids, stop, eagle=False, max_new_tokens=min(stats.new_tokens, CHECK_TOKENS),
-                  **_sampling(settings)):  # fmt: skip
-        check_path = check_path or engine.path
-        steps.append(r.seconds)
-    if check_path != path or len(steps) < 3:
+    rounds, check_path = _vanilla_rounds(engine, ids, stop, min(stats.new_tokens, CHECK_TOKENS), settings)
+    if check_path != path or len(rounds) < 3:
         return None
-    ref = VanillaReference(path, statistics.median(steps[1:]), CHECK_SOURCE.format(n=len(steps)))
+    step_s = statistics.median(r.seconds for r in rounds[1:])  # the first round is the prefill
+    ref = VanillaReference(path, step_s, CHECK_SOURCE.format(n=len(rounds)))
     return stats.new_tokens / ref.seconds(stats.first_round_s, stats.new_tokens), ref.source
 
 

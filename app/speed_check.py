@@ -54,7 +54,7 @@ const chat = document.querySelector('#chat'), figs = document.querySelector('#fi
 const status = () => (figs.querySelector('.fig-status') || {}).textContent || '';
 const bots = () => chat.querySelectorAll('.message.bot .eagle-tokens, .bot .eagle-tokens');
 const reply = () => { const b = bots(); return b.length ? b[b.length - 1].textContent : ''; };
-const run = window.__appSpeed = {updates: 0, shown: '', last: 0, textAt: 0, finalAt: 0, result: null, waiter: null};
+const run = window.__appSpeed = {updates: 0, shown: '', textAt: 0, finalAt: 0, result: null, waiter: null};
 const finish = () => {
   obs.disconnect();
   const b = bots();
@@ -69,7 +69,6 @@ const finish = () => {
 const obs = new MutationObserver(() => {
   const now = performance.now(), text = reply();
   if (text !== run.shown) { run.updates += 1; run.shown = text; run.textAt = now; }  // a new state of the reply
-  run.last = now;
   const s = status();
   if (!run.finalAt && s && !s.includes('generating')) {
     run.finalAt = now;
