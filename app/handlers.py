@@ -57,11 +57,16 @@ def _notice_html(notice: str) -> str:
     return f'<div class="eagle-notice">⚠ {html.escape(notice)}</div>'
 
 
+def waits(turn: dict) -> bool:
+    """The turn's message has no reply yet (nor a notice that stands for one): a run is writing it or queued for it."""
+    return turn["reply"] is None and not turn.get("notice")
+
+
 def chat_messages(state: dict, highlight: bool = True) -> list[dict]:
     msgs = []
     for t in state["turns"]:
         msgs.append({"role": "user", "content": _text(html.escape(t["user"]))})  # shown as typed, never as HTML
-        if t["reply"] is None and not t.get("notice"):
+        if waits(t):
             if t.get("waiting"):  # the model is finishing a unit of idle work first
                 msgs.append({"role": "assistant", "content": _text(
                     f'<div class="eagle-muted eagle-waiting">⏳ {html.escape(t["waiting"])}</div>')})
@@ -202,12 +207,12 @@ def make_handlers(engine):
     def bot(state, *raw):
         settings = _settings(*raw)
         turns = state["turns"]
-        if not turns or turns[-1]["reply"] is not None or turns[-1].get("notice"):
+        turn = next((t for t in turns if waits(t)), None)  # the oldest message still waiting: one run each, in order
+        if turn is None:
             yield chat_messages(state, settings.highlight), figures_html(state.get("figures")), state
             return
-        turn = turns[-1]
         turn["eagle"] = settings.eagle
-        history = [(t["user"], t["reply"]) for t in turns[:-1] if t["reply"]]
+        history = [(t["user"], t["reply"]) for t in turns[:turns.index(turn)] if t["reply"]]
         stopped = lambda: state["epoch"] != turn["epoch"]  # noqa: E731
         for notice in settings.notices:
             gr.Warning(notice)
@@ -233,9 +238,8 @@ def make_handlers(engine):
                 yield chat_messages(state, settings.highlight), figures_html(state["figures"], not u.done), state
 
     def unanswered(state) -> bool:
-        """The last message waits for its reply (a reply is being written or queued)."""
-        last = state["turns"][-1] if state["turns"] else None
-        return last is not None and last["reply"] is None and not last.get("notice")
+        """A message waits for its reply (a reply is being written or queued)."""
+        return any(map(waits, state["turns"]))
 
     def regenerate(state, highlight):
         if not state["turns"]:

@@ -178,8 +178,11 @@ def build(engine, max_new_tokens: int = 512, title: str = "EAGLE speculative dec
         # queued (its own group, no limit) so that its "type a message first" toast reaches the page
         add_io = dict(fn=h["add_message"], inputs=[msg, state, highlight], outputs=[msg, chatbot, state],
                       concurrency_limit=None, show_progress="hidden")  # fmt: skip
+        # trigger_mode "multiple": a message sent while a reply runs gets a run of its own, queued behind it (under
+        # the default "once" the page drops a second trigger of a running event, and that message is never answered)
         bot_io = dict(fn=h["bot"], inputs=[state, *settings], outputs=[chatbot, figures, state],
-                      concurrency_id=MODEL_GROUP, concurrency_limit=1, show_progress="minimal")  # fmt: skip
+                      concurrency_id=MODEL_GROUP, concurrency_limit=1, show_progress="minimal",
+                      trigger_mode="multiple")  # fmt: skip
         cmp_io = dict(fn=h["run_compare"], inputs=[cmp_msg, state, *settings],
                       outputs=[v_out, v_fig, e_out, e_fig, summary, figures, state], concurrency_id=MODEL_GROUP,
                       concurrency_limit=1, show_progress="minimal")  # fmt: skip

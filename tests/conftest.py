@@ -1,4 +1,5 @@
 import os
+import subprocess
 import sys
 
 import pytest
@@ -25,6 +26,25 @@ def _saved_graphs_in_a_session_folder(tmp_path_factory):
         os.environ.pop("EAGLE_AOT_DIR", None)
     else:
         os.environ["EAGLE_AOT_DIR"] = previous
+
+
+@pytest.fixture(scope="session")
+def kernel_variant(tmp_path_factory):
+    """`build(flags)`: the panel kernel's library compiled with extra compiler flags (the AVX2 code on an AVX-512
+    machine: -mno-avx512f), once a session for each set of flags: a build takes half a minute, and three test
+    files check the same AVX2 build."""
+    from eagle.model import panel_kernel
+
+    built = {}
+
+    def build(flags: tuple[str, ...]):
+        if flags not in built:
+            library = tmp_path_factory.mktemp("kernel-variant") / "panel_linear_variant.so"
+            subprocess.run(panel_kernel.build_command(panel_kernel._compiler(), library, flags), check=True)
+            built[flags] = library
+        return built[flags]
+
+    return build
 
 
 def pytest_collection_modifyitems(config, items):

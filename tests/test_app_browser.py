@@ -86,7 +86,15 @@ def wait_for(driver, script: str, timeout: float = 60.0):
         if value:
             return value
         time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for: {script}")
+    raise AssertionError(f"timed out waiting for: {script}\nthe page then: {driver.execute_script(PAGE_STATE)}")
+
+
+PAGE_STATE = """return {
+  figures: (document.querySelector('#figures') || {}).innerText,
+  messages: [...document.querySelectorAll('#chat .message')].map(m => m.innerText.slice(0, 300)),
+  toasts: [...document.querySelectorAll('.toast-body')].map(t => t.innerText),
+  box: (document.querySelector('#msg textarea') || {}).value,
+};"""  # what a failed wait saw: a CI log then says which part of the page was behind
 
 
 BOT = "document.querySelectorAll('#chat .message.bot .eagle-tokens, #chat .bot .eagle-tokens')"
@@ -208,15 +216,33 @@ def test_stop_then_send_again_in_the_browser(page):
     set_number(driver, "max_new", 16)
     time.sleep(0.3)
     send(driver, "Thanks!" if real else "w32")
-    wait_for(driver, f"{BOT}.length == 1 && {FIGURES}.includes('EAGLE') && !{FIGURES}.includes('generating')", 120)
+    # the stopped reply stays (one of the two), and its figures say "Vanilla (EAGLE off)" until this one's come
+    wait_for(driver, f"{BOT}.length == 2 && {FIGURES}.includes('EAGLE') && !{FIGURES}.includes('EAGLE off') "
+                     f"&& !{FIGURES}.includes('generating')", 120)  # fmt: skip
     wait_for(driver, f"!({stop_live})", 30)  # the reply is done: greyed out again
     assert "Error" not in driver.find_element(By.TAG_NAME, "body").text
     driver.save_screenshot(os.path.join(tempfile.gettempdir(), "eagle-app-after-stop.png"))  # for a look by eye
 
 
+def test_a_message_sent_while_a_reply_runs_is_answered_after_it(page):
+    driver, real = page
+    wait_for(driver, "document.querySelector('#msg textarea')")
+    driver.find_element(By.ID, "clear").click()
+    wait_for(driver, f"{BOT}.length == 0 && {FIGURES}.includes('No reply yet')", 30)
+    set_number(driver, "max_new", 64 if real else 400)  # long enough to send the second message meanwhile
+    send(driver, "Name three birds." if real else "w7 w8 w9")
+    wait_for(driver, f"{FIGURES}.includes('generating')", 60)
+    send(driver, "And three fish?" if real else "w10 w11")  # the same event as the first, still running
+    users = "document.querySelectorAll('#chat .message.user, #chat .user').length"
+    wait_for(driver, f"{BOT}.length == 2 && !{FIGURES}.includes('generating')", 180)
+    assert driver.execute_script(f"return {users};") >= 2 and "Error" not in driver.find_element(By.TAG_NAME, "body").text
+    set_number(driver, "max_new", 16)
+
+
 def test_a_reload_keeps_the_conversation_and_its_figures(page):
     driver, real = page
     wait_for(driver, "document.querySelector('#msg textarea')")
+    wait_for(driver, f"!{FIGURES}.includes('generating')", 180)  # nothing runs
     driver.find_element(By.ID, "clear").click()
     wait_for(driver, f"{BOT}.length == 0 && {FIGURES}.includes('No reply yet')", 30)
     stored = "(localStorage.getItem('eagle-chat') || '').length"  # encrypted: its length tells empty from not

@@ -262,6 +262,23 @@ def test_respond_bad_input_and_truncation(engine):
     assert emoji.done and not emoji.error
 
 
+def test_messages_sent_while_a_reply_runs_are_answered_in_order_one_run_each(engine):
+    h = make_handlers(engine)
+    page = (0.0, 0.0, 0, 8, True, True, False, "", True)  # the page's settings: greedy, 8 new tokens, EAGLE
+    state = new_state()
+    for message in ("w7 w8", "w9"):  # the second sent before the first's run began
+        _, _, state = h["add_message"](message, state, True)
+    first, second = state["turns"]
+    list(h["bot"](state, *page))
+    assert first["reply"] == greedy_reply(engine, [("w7 w8", None)], 8) and second["reply"] is None
+    assert h["unanswered"](state)  # Stop stays live: the second message's run is queued
+    list(h["bot"](state, *page))
+    assert second["reply"] == greedy_reply(engine, [("w7 w8", first["reply"]), ("w9", None)], 8)
+    assert not h["unanswered"](state)
+    list(h["bot"](state, *page))  # a run that finds no message waiting leaves the conversation as it is
+    assert [t["reply"] for t in state["turns"]] == [first["reply"], second["reply"]]
+
+
 def test_respond_stops_when_asked(engine):
     calls = []
 

@@ -159,11 +159,10 @@ for rows in (2, 7, 13, 16):
 
 @needs_kernel
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="-mno-avx512f is an x86 flag")
-def test_the_avx2_build_computes_the_same(tmp_path):
+def test_the_avx2_build_computes_the_same(kernel_variant):
     """CI machines differ (AVX2 only, or AVX-512): the code for the other one is built and checked here too, in a
     process of its own (one process loads one library of the operator)."""
-    library = tmp_path / "panel_linear_avx2.so"
-    subprocess.run(panel_kernel.build_command(panel_kernel._compiler(), library, ("-mno-avx512f",)), check=True)
+    library = kernel_variant(("-mno-avx512f",))
     root = str(Path(__file__).resolve().parents[1])  # the project, for eagle.model.panel_kernel.pack
     subprocess.run([sys.executable, "-c", CHECK, str(library)], check=True, timeout=120,
                    env={**os.environ, "PYTHONPATH": root})  # fmt: skip

@@ -138,12 +138,11 @@ assert (torch.ops.eagle.row_attention(q, k, v, None, 40**-0.5) - ref).abs().max(
     [("-mno-avx512f",), ("-mno-avx512f", "-mno-avxvnni"), ("-mno-avx512vnni",)],
     ids=["avx2", "avx2-no-vnni", "native-no-avx512-vnni"],
 )
-def test_the_avx2_and_no_vnni_builds_compute_the_same(tmp_path, flags):
+def test_the_avx2_and_no_vnni_builds_compute_the_same(kernel_variant, flags):
     """The AVX2 code (CI machines without AVX-512) built and checked here too, in a process of its own (the
     attention of row_attention.cpp too); without AVX-VNNI too (a Zen 3: the integer dot products by vpmaddubsw and
     vpmaddwd), and this machine's build without AVX-512 VNNI (a Skylake-X, where it has AVX-512)."""
-    library = tmp_path / "panel_linear_variant.so"
-    subprocess.run(panel_kernel.build_command(panel_kernel._compiler(), library, flags), check=True)
+    library = kernel_variant(flags)
     root, tests = str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)
     width = 16 if "-mno-avx512f" in flags else quant_panels.width()
     subprocess.run([sys.executable, "-c", CHECK, str(library), tests, str(width)], check=True, timeout=120,

@@ -189,11 +189,10 @@ for rows, L, D in ((1, 45, 64), (5, 45, 64), (9, 45, 64), (1, 300, 64), (5, 300,
 
 @needs_kernel
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="-mno-avx512f is an x86 flag")
-def test_the_avx2_build_of_row_attention_is_sdpa_and_batch_invariant(tmp_path):
+def test_the_avx2_build_of_row_attention_is_sdpa_and_batch_invariant(kernel_variant):
     """The AVX2 code path (8 keys a block, its own lane sums; rows of one chunk and of several; heads of 64 and of
     128, sixteen 8-lane vectors), built and checked in a process of its own."""
-    library = tmp_path / "panel_linear_avx2.so"
-    subprocess.run(panel_kernel.build_command(panel_kernel._compiler(), library, ("-mno-avx512f",)), check=True)
+    library = kernel_variant(("-mno-avx512f",))
     subprocess.run([sys.executable, "-c", AVX2_CHECK, str(library)], check=True, timeout=120)
 
 
