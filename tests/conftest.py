@@ -1,11 +1,11 @@
 import os
-import subprocess
 import sys
 
 import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))  # tests/tiny.py
+from kernel_builds import AVX2, KernelBuilds, can_build  # noqa: E402
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never reach the hub
 torch.set_num_threads(1)  # tiny test models: threads only add overhead (and thrash on a busy machine)
@@ -28,23 +28,27 @@ def _saved_graphs_in_a_session_folder(tmp_path_factory):
         os.environ["EAGLE_AOT_DIR"] = previous
 
 
+_kernel_builds = KernelBuilds()
+
+
+def pytest_collection_finish(session):
+    """Start the kernel builds the selected tests will ask for (kernel_builds.py), on the idle core."""
+    wanted = [item for item in session.items if "kernel_variant" in getattr(item, "fixturenames", ())]
+    if wanted and can_build():
+        for item in wanted:
+            callspec = getattr(item, "callspec", None)
+            _kernel_builds.start(tuple(callspec.params.get("flags", AVX2)) if callspec else AVX2)
+
+
+def pytest_sessionfinish(session):
+    _kernel_builds.close()
+
+
 @pytest.fixture(scope="session")
-def kernel_variant(tmp_path_factory):
-    """`build(flags)`: the panel kernel's library compiled with extra compiler flags (the AVX2 code on an AVX-512
-    machine: -mno-avx512f), once a session for each set of flags: a build takes half a minute, and three test
-    files check the same AVX2 build."""
-    from eagle.model import panel_kernel
-
-    built = {}
-
-    def build(flags: tuple[str, ...]):
-        if flags not in built:
-            library = tmp_path_factory.mktemp("kernel-variant") / "panel_linear_variant.so"
-            subprocess.run(panel_kernel.build_command(panel_kernel._compiler(), library, flags), check=True)
-            built[flags] = library
-        return built[flags]
-
-    return build
+def kernel_variant():
+    """`build(flags)`: the panel kernel's library compiled with extra compiler flags, once a session for each set
+    (kernel_builds.py)."""
+    return _kernel_builds
 
 
 def pytest_collection_modifyitems(config, items):

@@ -229,7 +229,7 @@ def test_a_message_sent_while_a_reply_runs_is_answered_after_it(page):
     wait_for(driver, "document.querySelector('#msg textarea')")
     driver.find_element(By.ID, "clear").click()
     wait_for(driver, f"{BOT}.length == 0 && {FIGURES}.includes('No reply yet')", 30)
-    set_number(driver, "max_new", 64 if real else 400)  # long enough to send the second message meanwhile
+    set_number(driver, "max_new", 32 if real else 400)  # long enough to send the second message meanwhile
     send(driver, "Name three birds." if real else "w7 w8 w9")
     wait_for(driver, f"{FIGURES}.includes('generating')", 60)
     send(driver, "And three fish?" if real else "w10 w11")  # the same event as the first, still running

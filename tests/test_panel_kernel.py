@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from kernel_builds import AVX2
 from torch import nn
 
 from eagle.model import few_rows, panel_kernel
@@ -162,7 +163,7 @@ for rows in (2, 7, 13, 16):
 def test_the_avx2_build_computes_the_same(kernel_variant):
     """CI machines differ (AVX2 only, or AVX-512): the code for the other one is built and checked here too, in a
     process of its own (one process loads one library of the operator)."""
-    library = kernel_variant(("-mno-avx512f",))
+    library = kernel_variant(AVX2)
     root = str(Path(__file__).resolve().parents[1])  # the project, for eagle.model.panel_kernel.pack
     subprocess.run([sys.executable, "-c", CHECK, str(library)], check=True, timeout=120,
                    env={**os.environ, "PYTHONPATH": root})  # fmt: skip

@@ -11,6 +11,7 @@ from pathlib import Path
 import gguf
 import pytest
 import torch
+from kernel_builds import VARIANTS
 from q4_fixtures import error_bound, random_blocks
 
 from eagle.model import panel_kernel, quant_panels
@@ -133,11 +134,7 @@ assert (torch.ops.eagle.row_attention(q, k, v, None, 40**-0.5) - ref).abs().max(
 
 @needs_kernel
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="-mno-avx512f is an x86 flag")
-@pytest.mark.parametrize(
-    "flags",
-    [("-mno-avx512f",), ("-mno-avx512f", "-mno-avxvnni"), ("-mno-avx512vnni",)],
-    ids=["avx2", "avx2-no-vnni", "native-no-avx512-vnni"],
-)
+@pytest.mark.parametrize("flags", list(VARIANTS.values()), ids=list(VARIANTS))
 def test_the_avx2_and_no_vnni_builds_compute_the_same(kernel_variant, flags):
     """The AVX2 code (CI machines without AVX-512) built and checked here too, in a process of its own (the
     attention of row_attention.cpp too); without AVX-VNNI too (a Zen 3: the integer dot products by vpmaddubsw and

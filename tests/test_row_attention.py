@@ -8,6 +8,7 @@ import sys
 
 import pytest
 import torch
+from kernel_builds import AVX2
 from q4_fixtures import quantized_tiny_base
 
 from eagle.model import few_rows, panel_kernel, row_attention
@@ -192,7 +193,7 @@ for rows, L, D in ((1, 45, 64), (5, 45, 64), (9, 45, 64), (1, 300, 64), (5, 300,
 def test_the_avx2_build_of_row_attention_is_sdpa_and_batch_invariant(kernel_variant):
     """The AVX2 code path (8 keys a block, its own lane sums; rows of one chunk and of several; heads of 64 and of
     128, sixteen 8-lane vectors), built and checked in a process of its own."""
-    library = kernel_variant(("-mno-avx512f",))
+    library = kernel_variant(AVX2)
     subprocess.run([sys.executable, "-c", AVX2_CHECK, str(library)], check=True, timeout=120)
 
 
