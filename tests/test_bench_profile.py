@@ -133,3 +133,5 @@ def test_round_ab_runs_every_path_on_every_prompt_and_finds_them_identical(folde
     assert rows["vanilla"]["tau"] == 1.0 and rows["two_step"]["tau"] == rows["general"]["tau"]
     assert rows["vanilla"]["round_in_vanilla_steps"] == pytest.approx(1.0)
     assert "| two_step |" in capsys.readouterr().out
+    argv[argv.index("--question-file"):argv.index("--question-file") + 2] = ["--bench", "repetitive", "--limit", "1"]
+    assert round_ab.main(argv) == 0  # the bench's question sets too

@@ -41,13 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m eagle.evaluation.bench", description=__doc__.split("\n\n")[0])
     add_model_args(p)
     g = p.add_argument_group("benchmark")
-    g.add_argument("--bench", choices=["mt_bench", "repetitive"], default="mt_bench",
-                   help="question set (default: mt_bench, the 80 MT-bench questions; repetitive: 40 prompts that "
-                   "carry the text they ask about, eagle/evaluation/data/README.md)")
-    g.add_argument("--question-file", default=None,
-                   help="an MT-bench-format jsonl (question_id, category, turns); overrides --bench")
-    g.add_argument("--limit", type=int, default=None, help="only the first N questions")
-    g.add_argument("--per-category", type=int, default=None, help="only the first N questions of each category")
+    add_question_args(g)
     g.add_argument("--max-new-tokens", type=int, default=512, help="per answer, for every method (default: 512)")
     g.add_argument("--temperature", type=float, default=0.0,
                    help="0 = greedy, the default (outputs are then compared with hf's)")
@@ -66,6 +60,17 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--label", default=None, help="a note shown with the results (e.g. which head this is)")
     g.add_argument("--quiet", action="store_true", help="no per-question progress")
     return p
+
+
+def add_question_args(g) -> None:
+    """The options `load_questions` reads."""
+    g.add_argument("--bench", choices=["mt_bench", "repetitive"], default="mt_bench",
+                   help="question set (default: mt_bench, the 80 MT-bench questions; repetitive: 40 prompts that "
+                   "carry the text they ask about, eagle/evaluation/data/README.md)")
+    g.add_argument("--question-file", default=None,
+                   help="an MT-bench-format jsonl (question_id, category, turns); overrides --bench")
+    g.add_argument("--limit", type=int, default=None, help="only the first N questions")
+    g.add_argument("--per-category", type=int, default=None, help="only the first N questions of each category")
 
 
 def question_file(args) -> tuple[str | None, str]:

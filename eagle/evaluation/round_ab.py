@@ -23,7 +23,7 @@ import torch
 
 from eagle.model.tuner import cpu_description
 
-from .bench import load_questions
+from .bench import add_question_args, load_questions
 from .models import add_model_args, exit_on_bad_options, load_from_args, log
 from .prompts import build_prompts
 
@@ -49,9 +49,7 @@ def decode(model, ids, path: str, max_new_tokens: int) -> tuple[list[int], int, 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m eagle.evaluation.round_ab", description=__doc__.split("\n\n")[0])
     add_model_args(p)
-    p.add_argument("--question-file", default=None)
-    p.add_argument("--limit", type=int, default=None)
-    p.add_argument("--per-category", type=int, default=None)
+    add_question_args(p)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--json", default=None, help="also write the results here")
