@@ -26,7 +26,8 @@ def can_build() -> bool:
 
 
 class KernelBuilds:
-    """`builds(flags)`: the path of the library built with `flags`, each set built once, one build at a time."""
+    """Called with `flags`: the path of the library built with them (waiting for its build); each set of flags built
+    once, one build at a time."""
 
     def __init__(self):
         self.folder = Path(tempfile.mkdtemp(prefix="eagle-kernel-variants-"))
