@@ -267,6 +267,9 @@ def compiled_rounds(engine, child, spec, mode: str, log) -> Iterator[str | Loadi
             break
     if verdict is None:  # never stable or never idle: decided for this run only, from the last try
         verdict = {"compiled_pays": ratio is not None and ratio < 1.0}
+        if tries:
+            log(f"compiled vs eager: no steady timing in {MAX_TRIES} tries (compiled / eager "
+                f"{', '.join(f'{t:.2f}' for t in tries)}); decided for this start only")  # fmt: skip
     if not verdict["compiled_pays"] and mode == "auto":
         model.base.decompile()
         log("compiled forwards measured slower than eager here: decoding eagerly")

@@ -129,8 +129,8 @@ def test_first_and_second_start_of_the_default(tmp_path):
         print(f"first start: the last compiled rounds in use {done - up:.0f} s after the page")
         check_pairs(client, "compiled")  # nothing left to compile
         verdicts = list((cache / "compiled").glob("*-verdict.json"))
-        busy = any("another process used the CPU" in line for _, line in app.lines)
-        assert busy or (len(verdicts) == 1 and json.loads(verdicts[0].read_text())["compiled_pays"])
+        unsaved = any("another process used the CPU" in line or "no steady timing" in line for _, line in app.lines)
+        assert unsaved or (len(verdicts) == 1 and json.loads(verdicts[0].read_text())["compiled_pays"])
     finally:
         app.close()
         print("\n".join(line for _, line in app.lines if line.startswith("[compile]")))
