@@ -41,8 +41,10 @@ def new_state() -> dict:
     "epoch"}]; figures: the last run's.
     epoch: bumped by Stop / Clear / Regenerate; a run goes on only while the epoch it was queued with is
     current. (Gradio hands every event of a session the same state object, so a running generator sees
-    the bump at its next round; it then ends normally, which keeps history and page consistent.)"""
-    return {"turns": [], "figures": {}, "epoch": 0, "compare_epoch": 0}
+    the bump at its next round; it then ends normally, which keeps history and page consistent.)
+    compares: the epochs of side-by-side runs asked for (Run both) and not started, oldest first;
+    comparing: a side-by-side run is running."""
+    return {"turns": [], "figures": {}, "epoch": 0, "compares": [], "comparing": False}
 
 
 def new_turn(message: str, epoch: int) -> dict:
@@ -279,13 +281,26 @@ def make_handlers(engine):
         state["race_play"] = state.get("race_play", 0) + 1
 
     def start_compare(state):
-        state["compare_epoch"] = state["epoch"]
+        """A click of Run both: its run is queued behind any other (one run each, in order); Stop before it
+        starts stops it too."""
+        state["compares"].append(state["epoch"])
         end_race(state)
         return state
 
     def run_compare(message, state, *raw):
-        settings = _settings(*raw)
-        epoch = state["compare_epoch"]
+        # the oldest click's (runs start in click order); called without a click (a script): now's epoch
+        epoch = state["compares"].pop(0) if state["compares"] else state["epoch"]
+        state["comparing"] = True
+        try:
+            yield from _run_compare(message, state, epoch, _settings(*raw))
+        finally:
+            state["comparing"] = False
+
+    def comparison_waits(state) -> bool:
+        """A side-by-side run is running or queued."""
+        return state["comparing"] or bool(state["compares"])
+
+    def _run_compare(message, state, epoch: int, settings: Settings):
         end_race(state)  # at the click, and again when this run gets the model (a run queued behind another)
         throttle = Throttle()
         for c in compare(engine, message, settings, stop=lambda: state["epoch"] != epoch):
@@ -365,7 +380,7 @@ def make_handlers(engine):
 
     return dict(add_message=add_message, bot=bot, unanswered=unanswered, regenerate=regenerate, clear=clear, stop=stop,
                 rerender=rerender, save=save, restore=restore, start_compare=start_compare, run_compare=run_compare,
-                play_race=play_race, replay=replay,
+                comparison_waits=comparison_waits, play_race=play_race, replay=replay,
                 api_chat=api_chat)  # fmt: skip
 
 

@@ -128,10 +128,11 @@ def build(engine, max_new_tokens: int = 512, title: str = "EAGLE speculative dec
                         with gr.Row():
                             cmp_msg = gr.Textbox(placeholder="A prompt to decode both ways (Enter to run)",
                                                  show_label=False, scale=6, lines=1, max_lines=6, elem_id="cmp_msg")  # fmt: skip
-                            cmp_run = gr.Button("Run both", variant="primary", scale=1, min_width=80)
-                            cmp_stop = gr.Button("Stop", variant="stop", scale=1, min_width=80, interactive=False)
+                            cmp_run = gr.Button("Run both", variant="primary", scale=1, min_width=80, elem_id="cmp_run")
+                            cmp_stop = gr.Button("Stop", variant="stop", scale=1, min_width=80, interactive=False,
+                                                 elem_id="cmp_stop")  # fmt: skip
                             replay = gr.Button("Replay", scale=1, min_width=80, elem_id="replay")
-                        summary = gr.HTML(summary_html({}, False))
+                        summary = gr.HTML(summary_html({}, False), elem_id="cmp_summary")
                         with gr.Row(equal_height=True):
                             with gr.Column():
                                 gr.Markdown("#### Vanilla decoding (1 token per base forward)")
@@ -178,17 +179,17 @@ def build(engine, max_new_tokens: int = 512, title: str = "EAGLE speculative dec
         # queued (its own group, no limit) so that its "type a message first" toast reaches the page
         add_io = dict(fn=h["add_message"], inputs=[msg, state, highlight], outputs=[msg, chatbot, state],
                       concurrency_limit=None, show_progress="hidden")  # fmt: skip
-        # trigger_mode "multiple": a message sent while a reply runs gets a run of its own, queued behind it (under
-        # the default "once" the page drops a second trigger of a running event, and that message is never answered)
+        # trigger_mode "multiple": a message sent (or Run both clicked) while a run goes gets a run of its own, queued
+        # behind it (under the default "once" the page drops a second trigger of a running event: never answered)
         bot_io = dict(fn=h["bot"], inputs=[state, *settings], outputs=[chatbot, figures, state],
                       concurrency_id=MODEL_GROUP, concurrency_limit=1, show_progress="minimal",
                       trigger_mode="multiple")  # fmt: skip
         cmp_io = dict(fn=h["run_compare"], inputs=[cmp_msg, state, *settings],
                       outputs=[v_out, v_fig, e_out, e_fig, summary, figures, state], concurrency_id=MODEL_GROUP,
-                      concurrency_limit=1, show_progress="minimal")  # fmt: skip
+                      concurrency_limit=1, show_progress="minimal", trigger_mode="multiple")  # fmt: skip
         # the race plays no model, so it waits in no queue; it ends when the session starts another run or race
         race_io = dict(fn=h["play_race"], inputs=[state, race_speed], outputs=[v_out, e_out, summary],
-                       concurrency_limit=None, show_progress="hidden")  # fmt: skip
+                       concurrency_limit=None, show_progress="hidden", trigger_mode="multiple")  # fmt: skip
         hidden = dict(api_visibility="private")
         undocumented = dict(api_visibility="undocumented")
 
@@ -207,11 +208,12 @@ def build(engine, max_new_tokens: int = 512, title: str = "EAGLE speculative dec
         running(send.click(**add_io, **hidden), bot_io, stop, unanswered, **hidden).then(**save)
         running(regen.click(h["regenerate"], [state, highlight], [chatbot, state], queue=False, api_name="regenerate",
                             **undocumented), bot_io, stop, unanswered, **hidden).then(**save)  # fmt: skip
+        comparing = h["comparison_waits"]
         running(cmp_run.click(h["start_compare"], [state], [state], queue=False, api_name="start_compare",
-                              **undocumented), cmp_io, cmp_stop, api_name="compare",
+                              **undocumented), cmp_io, cmp_stop, comparing, api_name="compare",
                 **undocumented).then(**race_io, api_name="race", **undocumented)  # fmt: skip
         running(cmp_msg.submit(h["start_compare"], [state], [state], queue=False, **hidden), cmp_io, cmp_stop,
-                **hidden).then(**race_io, **hidden)  # fmt: skip
+                comparing, **hidden).then(**race_io, **hidden)  # fmt: skip
         replay.click(**dict(race_io, fn=h["replay"]), api_name="replay", **undocumented)
         stop.click(h["stop"], [state], [state], queue=False, api_name="stop", **undocumented)
         cmp_stop.click(h["stop"], [state], [state], queue=False, **hidden)

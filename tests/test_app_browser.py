@@ -10,6 +10,7 @@ which gives a screenshot with real text.
 
 from __future__ import annotations
 
+import itertools
 import os
 import shutil
 import tempfile
@@ -305,6 +306,50 @@ def test_markdown_reply_renders_bold_titles_with_highlights_and_no_injected_elem
     label = driver.execute_script("return document.querySelector(\"#chat [aria-label^=\\\"bot's message\\\"]\")"
                                   ".getAttribute('aria-label');")  # fmt: skip
     assert label.startswith("bot's message: Fast path: drafts are checked") and "<span" not in label
+
+
+class RecordingEngine(ScriptedEngine):
+    """A scripted engine that notes the message each run answers."""
+
+    def __init__(self, rounds):
+        super().__init__(rounds)
+        self.asked = []
+
+    def fit(self, turns, system, max_new_tokens):
+        self.asked.append(turns[-1][0])
+        return super().fit(turns, system, max_new_tokens)
+
+
+def test_run_both_clicked_while_a_comparison_runs_runs_the_new_prompt_after_it(page):
+    driver, _ = page
+    home = driver.current_url
+    engine = RecordingEngine([[f" w{i}", f" x{i}"] for i in range(24)])  # vanilla 2.4 s, EAGLE 1.2 s (48 tokens)
+    with serve(engine, max_new_tokens=48) as demo:
+        driver.get(demo.local_url)
+        try:
+            wait_for(driver, "document.querySelector('#msg textarea')")
+            driver.find_element(By.XPATH, "//button[@role='tab'][contains(., 'EAGLE vs vanilla')]").click()
+            box = driver.find_element(By.CSS_SELECTOR, "#cmp_msg textarea")
+            wait_for(driver, "document.querySelector('#cmp_msg textarea').offsetParent !== null", 30)
+            box.send_keys("Name three birds.")
+            driver.find_element(By.ID, "cmp_run").click()
+            stop_live = "!document.querySelector('#cmp_stop').disabled"
+            wait_for(driver, stop_live, 30)
+            box.send_keys(Keys.CONTROL, "a")
+            box.send_keys("And three fish?")
+            driver.find_element(By.ID, "cmp_run").click()  # through the same event as the first, still running
+            deadline = time.time() + 60
+            while "And three fish?" not in engine.asked and time.time() < deadline:
+                time.sleep(0.05)
+            assert "And three fish?" in engine.asked, engine.asked  # the second click got a run
+            time.sleep(0.5)  # the first run's end has reached the page
+            assert driver.execute_script(f"return {stop_live};")  # the second run can be stopped
+            wait_for(driver, f"!({stop_live}) && document.querySelector('#cmp_summary').innerText.includes('🏁')", 60)
+            assert [m for m, _ in itertools.groupby(engine.asked)] == ["Name three birds.", "And three fish?"]
+            assert "Error" not in driver.find_element(By.TAG_NAME, "body").text
+        finally:
+            driver.get(home)
+            wait_for(driver, "document.querySelector('#msg textarea')", 60)
 
 
 def test_a_narrow_window_opens_at_the_top_with_code_lines_kept(page):

@@ -279,6 +279,27 @@ def test_messages_sent_while_a_reply_runs_are_answered_in_order_one_run_each(eng
     assert [t["reply"] for t in state["turns"]] == [first["reply"], second["reply"]]
 
 
+def test_side_by_side_runs_asked_during_a_run_run_in_order_and_stop_ends_the_queued_too(engine):
+    h = make_handlers(engine)
+    page = (0.0, 0.0, 0, 8, True, True, False, "", True)  # the page's settings: greedy, 8 new tokens, EAGLE
+    state = new_state()
+    assert not h["comparison_waits"](state)
+    h["start_compare"](state)
+    h["start_compare"](state)  # Run both clicked again while the first run goes: a run of its own, queued
+    run = h["run_compare"]("w7 w8", state, *page)
+    next(run)
+    assert h["comparison_waits"](state)
+    *_, summary, _, _ = list(run)[-1]
+    assert "Speedup <b" in summary and "same text as vanilla: yes" in summary
+    assert h["comparison_waits"](state)  # the second click's run is queued: Stop stays live
+    h["stop"](state)  # before the queued run began: it stops too, at once
+    *_, summary, _, _ = list(h["run_compare"]("w9", state, *page))[-1]
+    assert "Stopped" in summary and not h["comparison_waits"](state)
+    h["start_compare"](state)  # a click after Stop runs
+    *_, summary, _, _ = list(h["run_compare"]("w9", state, *page))[-1]
+    assert "Speedup <b" in summary and not h["comparison_waits"](state)
+
+
 def test_respond_stops_when_asked(engine):
     calls = []
 
