@@ -469,10 +469,11 @@ def measure(name: str, device: torch.device, args, save=lambda r: None) -> dict:
         stage("inductor_round", lambda: inductor_round(model, args.inductor_tree))
     stage("pass_ms", lambda: {c: {rows: pass_ms(model, rows, c) for rows in args.rows} for c in contexts})
     stage("replay_kernels", lambda: {rows: replay_kernels(model, rows) for rows in (1, max(args.rows))})
-    stage("phases", lambda: phase_profile(model, ids))
-    stage("runtime_calls_per_round", lambda: runtime_calls_per_round(model, ids))
+    rounds = {} if args.profile_rounds is None else {"rounds": args.profile_rounds}  # else each stage's own
+    stage("phases", lambda: phase_profile(model, ids, **rounds))
+    stage("runtime_calls_per_round", lambda: runtime_calls_per_round(model, ids, **rounds))
     stage("runtime_calls_per_round_forward_graphs",
-          on_forward_graphs(model, lambda: runtime_calls_per_round(model, ids)))  # fmt: skip
+          on_forward_graphs(model, lambda: runtime_calls_per_round(model, ids, **rounds)))  # fmt: skip
     stage("attention_ms", lambda: {c: {rows: attention_ms(base.config, dtype, device, c, rows, CAPACITY + 64)
                                        for rows in (1, 64)} for c in contexts})  # fmt: skip
     if isinstance(spec["head"], Path) and args.scale == 1:  # the tree the tuner picks here for the real head
@@ -538,6 +539,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
                    "inductor_round runs only when named)")  # fmt: skip
     p.add_argument("--inductor-tree", default="60/7/10", help="the tree of the inductor_round stage")
     p.add_argument("--direct", action="store_true", help="capture the graphs without the app's timing against eager")
+    p.add_argument("--profile-rounds", type=int, default=None, help="EAGLE rounds under the phase clock and under "
+                   "torch.profiler (default 40 and 20)")
     p.add_argument("--scale", type=int, default=1, help="divide widths (a quick check of the script on a CPU)")
     p.add_argument("--out", default="out/gpu_costs")
     args = p.parse_args(argv)
