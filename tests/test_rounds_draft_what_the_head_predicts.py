@@ -24,7 +24,7 @@ DRAFTS = 5  # a chain: top_k 1, one draft per depth
 def test_each_greedy_round_drafts_the_heads_chain_on_the_final_text(tmp_path, monkeypatch, eagle3):
     base = tiny_base("llama")
     save_base(base, str(tmp_path / "base"))
-    # seed 5: a random head whose drafts this base takes often (over a hundred of them), so deep steps are compared
+    # seed 5: a random head whose drafts this base takes often (127 EAGLE-3, 24 EAGLE-1/2), so deep steps are compared
     draft = random_draft(base, str(tmp_path / "draft"), eagle3=eagle3, draft_vocab=12 if eagle3 else None, seed=5)
     model = EaModel.from_pretrained(str(tmp_path / "base"), draft, dtype=torch.float32)
     drafted = []  # per round: the chain's tokens, root first
@@ -50,7 +50,7 @@ def test_each_greedy_round_drafts_the_heads_chain_on_the_final_text(tmp_path, mo
             want = [int(predicted[k, c - 1]) for k in range(checked)]
             assert tokens[1 : 1 + checked] == want, (prompt, c, tokens, want, r.accepted)
             compared, starts, accepted, c = compared + checked, starts + 1, accepted + r.accepted, c + r.accepted + 1
-    assert accepted > 20 and compared > starts, (accepted, compared, starts)  # deeper steps were compared too
+    assert accepted >= 10 and compared > starts, (accepted, compared, starts)  # deeper steps were compared too
 
 
 def chain_on(model, text: list[int]) -> torch.Tensor:
