@@ -60,5 +60,4 @@ def chain_on(model, text: list[int]) -> torch.Tensor:
     with model.base.leased_cache(len(text) + 1) as cache, torch.inference_mode():
         _, features = model.base.forward(ids, torch.arange(len(text))[None], cache, features=True)  # [T, F]
         steps = unrolled_forward(head, model.base_model.get_input_embeddings(), features[None], ids, DRAFTS)
-        logits = [head.lm_head(head.norm(s[0])) if head.eagle3 else model.base.lm_head(s[0]) for s in steps]
-        return torch.stack([head.to_target_ids(x.argmax(-1)) for x in logits])
+        return torch.stack([head.to_target_ids(head.logits(s[0], model.base.lm_head).argmax(-1)) for s in steps])
