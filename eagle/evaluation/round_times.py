@@ -1,12 +1,13 @@
-"""Round by round: EAGLE on the bench's prompts, each prompt decoded twice (its first run, as the bench times it, and
-a repeat), every round's seconds, beside vanilla's step on the same prompt.
+"""Round by round: EAGLE on the bench's prompts, each prompt decoded three times (its first run right after vanilla's,
+as the bench times it; a repeat right after it; a third run after vanilla decoded the prompt again), every round's
+seconds, beside vanilla's step on the same prompt.
 
     python -m eagle.evaluation.round_times --limit 3 --max-new-tokens 256 --compile on \
         --total-token 60 --depth 7 --top-k 10 --out out/round_times
 
 A cost that only a prompt's first run pays (a graph captured lazily, a kernel plan built for a new shape, host
-memory pinned for the first time) shows as first-run rounds slower than the repeat's at the same tokens; a cost
-every round pays shows in both. The round runner in use is named (round_graphs.py / cuda_round.py, or none: the
+memory pinned for the first time) shows as first-run rounds slower than the repeat's and the third run's at the
+same tokens; a cost of following vanilla shows in the first and third; a cost every round pays shows in all three. The round runner in use is named (round_graphs.py / cuda_round.py, or none: the
 forwards' graphs). Greedy only: the repeat decodes the same tokens, so the two runs compare round for round.
 `--no-cudnn-attention` turns cuDNN's attention off for the run (its kernel plans are built per new shape), so one
 lease compares the two.
@@ -47,15 +48,21 @@ def decode(model, ids: list[int], max_new_tokens: int, eagle: bool) -> dict:
             "round_ms": [r.seconds * 1e3 for r in rounds[1:]], "round_tokens": [len(r.tokens) for r in rounds[1:]]}
 
 
-def first_and_repeat(model, prompts: list[list[int]], max_new_tokens: int) -> list[dict]:
-    """Per prompt: vanilla's run (its ms per step), then EAGLE's first run and a repeat."""
+RUNS = ("first", "repeat", "after_vanilla")  # EAGLE's runs of a prompt, in order (module docstring)
+
+
+def three_runs(model, prompts: list[list[int]], max_new_tokens: int) -> list[dict]:
+    """Per prompt: vanilla's run (its ms per step), EAGLE's first run and a repeat, vanilla again, EAGLE again."""
     out = []
     for ids in prompts:
         vanilla = decode(model, ids, max_new_tokens, eagle=False)
         first, repeat = (decode(model, ids, max_new_tokens, eagle=True) for _ in range(2))
+        decode(model, ids, max_new_tokens, eagle=False)
+        after_vanilla = decode(model, ids, max_new_tokens, eagle=True)
         step = statistics.median(vanilla["round_ms"]) if vanilla["round_ms"] else float("nan")
+        same = first["tokens"] == repeat["tokens"] == after_vanilla["tokens"]
         out.append({"prompt_tokens": len(ids), "vanilla_step_ms": step, "vanilla_seconds": vanilla["seconds"],
-                    "same_tokens": first["tokens"] == repeat["tokens"], "first": first, "repeat": repeat})
+                    "same_tokens": same, "first": first, "repeat": repeat, "after_vanilla": after_vanilla})
     return out
 
 
@@ -65,7 +72,7 @@ def summary(r: dict, run: str) -> str:
     slowest = sorted(range(len(ms)), key=lambda i: -ms[i])[:3]
     worst = ", ".join(f"#{i} {ms[i]:.1f} ms ({d['round_tokens'][i]} tokens)" for i in slowest if d["round_ms"])
     tau = len(d["tokens"]) / (len(d["round_ms"]) + 1)
-    return (f"{run:6s} {len(d['tokens']):4d} tokens in {d['seconds'] * 1e3:7.1f} ms, prefill {d['prefill_ms']:6.1f} "
+    return (f"{run:13s} {len(d['tokens']):4d} tokens in {d['seconds'] * 1e3:7.1f} ms, prefill {d['prefill_ms']:6.1f} "
             f"ms, {len(d['round_ms'])} rounds (tau {tau:.2f}): median {statistics.median(ms):.2f} ms, mean "
             f"{statistics.fmean(ms):.2f} ({statistics.fmean(ms) / r['vanilla_step_ms']:.2f} steps), slowest {worst}")
 
@@ -90,11 +97,11 @@ def main(argv=None) -> list[dict]:
     print(f"{device_name(loaded.device)}; tree {model.tree.total_token}/{model.tree.depth}/{model.tree.top_k}; "
           f"round runner: {runner}; cuDNN attention {'off' if args.no_cudnn_attention else 'allowed'}; "
           f"{len(prompts)} prompts from {source}")
-    results = first_and_repeat(model, [list(q.ids) for q in prompts], args.max_new_tokens)
+    results = three_runs(model, [list(q.ids) for q in prompts], args.max_new_tokens)
     for q, r in zip(prompts, results):
         print(f"question {q.question_id} ({r['prompt_tokens']} prompt tokens): vanilla step {r['vanilla_step_ms']:.2f} "
-              f"ms; repeat decodes the same tokens: {r['same_tokens']}")
-        for run in ("first", "repeat"):
+              f"ms; every EAGLE run decodes the same tokens: {r['same_tokens']}")
+        for run in RUNS:
             print("  " + summary(r, run))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
