@@ -255,3 +255,16 @@ def test_captured_rounds_on_cuda_equal_greedy_generate_and_read_the_host_once_a_
     with HostReads() as reads:
         rounds = sum(1 for _ in stream)
     assert sum(reads.count.values()) == rounds
+
+
+def test_a_model_on_the_cpu_leaves_the_processes_cuda_attention_settings_alone():
+    """runners.device_settings turns cuDNN's attention off for models on CUDA only (test_gpu.py checks that side)."""
+    from eagle.model import runners
+
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    try:
+        torch.backends.cuda.enable_cudnn_sdp(True)
+        runners.device_settings(tiny_base())
+        assert torch.backends.cuda.cudnn_sdp_enabled()
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(before)

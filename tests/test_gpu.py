@@ -50,3 +50,11 @@ def test_a_greedy_round_synchronises_the_host_once_on_cuda(folders):
         torch.cuda.set_sync_debug_mode("default")
     syncs = [w for w in caught if "called a synchronizing CUDA operation" in str(w.message)]  # not the mode's own note
     assert len(syncs) <= rounds, f"{len(syncs)} host syncs in {rounds} rounds: {[str(w.message) for w in syncs[:3]]}"
+
+
+def test_a_model_on_cuda_attends_without_cudnns_per_shape_plans(folders):
+    """cuDNN's attention builds an execution plan per new shape (a new prompt length, a round's eager key lengths);
+    a model built on CUDA turns it off, so scaled_dot_product_attention takes a kernel that needs none."""
+    torch.backends.cuda.enable_cudnn_sdp(True)
+    EaModel.from_pretrained(*folders, dtype=torch.float16, device_map="cuda")
+    assert not torch.backends.cuda.cudnn_sdp_enabled()

@@ -63,8 +63,8 @@ if [ "${1:-costs}" = real ]; then  # call 3 of three: the parts joined, the embe
     --out "$OUT/b16"
   stage rounds 120 python3 -m eagle.evaluation.round_times --question-file .gpu/p3/question.jsonl --limit 4 \
     --max-new-tokens 256 --compile on --total-token 60 --depth 7 --top-k 10 --out "$OUT/rounds"
-  stage rounds_nocudnn 120 python3 -m eagle.evaluation.round_times --question-file .gpu/p3/question.jsonl --limit 4 \
-    --max-new-tokens 256 --compile on --total-token 60 --depth 7 --top-k 10 --no-cudnn-attention --out "$OUT/rounds_nc"
+  stage rounds_cudnn 120 python3 -m eagle.evaluation.round_times --question-file .gpu/p3/question.jsonl --limit 4 \
+    --max-new-tokens 256 --compile on --total-token 60 --depth 7 --top-k 10 --cudnn-attention --out "$OUT/rounds_cudnn"
   stage hf 90 python3 -m eagle.evaluation.bench $Q --methods hf --limit 4 --out "$OUT/bhf"
 elif [ "${1:-costs}" = costs ]; then  # call 1, about 5 minutes
   stage smollm2 150 $COSTS --bases smollm2-135m --stages hf_generate,$ROUND --out "$OUT/smollm2"

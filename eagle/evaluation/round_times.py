@@ -7,10 +7,13 @@ seconds, beside vanilla's step on the same prompt.
 
 A cost that only a prompt's first run pays (a graph captured lazily, a kernel plan built for a new shape, host
 memory pinned for the first time) shows as first-run rounds slower than the repeat's and the third run's at the
-same tokens; a cost of following vanilla shows in the first and third; a cost every round pays shows in all three. The round runner in use is named (round_graphs.py / cuda_round.py, or none: the
-forwards' graphs). Greedy only: the repeat decodes the same tokens, so the two runs compare round for round.
-`--no-cudnn-attention` turns cuDNN's attention off for the run (its kernel plans are built per new shape), so one
-lease compares the two.
+same tokens; a cost of following vanilla shows in the first and third; a cost every round pays shows in all three.
+The round runner in use is named (round_graphs.py / cuda_round.py, or none: the forwards' graphs). Greedy only:
+every run decodes the same tokens, so the runs compare round for round.
+
+A model on CUDA attends without cuDNN's kernel (runners.device_settings: cuDNN builds a plan per new shape);
+`--cudnn-attention` turns it back on once the model is loaded and its graphs captured, so that one lease measures
+what the eager parts of a round would pay for those plans.
 """
 
 from __future__ import annotations
@@ -82,21 +85,25 @@ def main(argv=None) -> list[dict]:
     add_model_args(p)
     add_question_args(p)
     p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--out", default="out/round_times", help="folder for round_times.json")
-    p.add_argument("--no-cudnn-attention", action="store_true",
-                   help="scaled_dot_product_attention without cuDNN's kernel (CUDA; flash or memory-efficient instead)")
+    p.add_argument("--cudnn-attention", action="store_true",
+                   help="CUDA: cuDNN's attention allowed again after loading (the eager passes then use it)")
     args = p.parse_args(argv)
-    if args.no_cudnn_attention:
-        torch.backends.cuda.enable_cudnn_sdp(False)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     with exit_on_bad_options():
         questions, source = load_questions(args)
         loaded = load_from_args(args, log)
     model = loaded.model
+    if args.cudnn_attention:
+        torch.backends.cuda.enable_cudnn_sdp(True)
     prompts = build_prompts(questions, model.tokenizer, loaded.mtype.template, loaded.mtype.system_prompt)
     runner = runner_name(model)
-    print(f"{device_name(loaded.device)}; tree {model.tree.total_token}/{model.tree.depth}/{model.tree.top_k}; "
-          f"round runner: {runner}; cuDNN attention {'off' if args.no_cudnn_attention else 'allowed'}; "
-          f"{len(prompts)} prompts from {source}")
+    cudnn = torch.backends.cuda.cudnn_sdp_enabled()
+    tree = [model.tree.total_token, model.tree.depth, model.tree.top_k]
+    print(f"{device_name(loaded.device)}; tree {'/'.join(map(str, tree))}; round runner: {runner}; cuDNN attention "
+          f"{'allowed' if cudnn else 'off'}; {len(prompts)} prompts from {source}")
     results = three_runs(model, [list(q.ids) for q in prompts], args.max_new_tokens)
     for q, r in zip(prompts, results):
         print(f"question {q.question_id} ({r['prompt_tokens']} prompt tokens): vanilla step {r['vanilla_step_ms']:.2f} "
@@ -105,7 +112,7 @@ def main(argv=None) -> list[dict]:
             print("  " + summary(r, run))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    record = {"device": device_name(loaded.device), "runner": runner, "cudnn_attention": not args.no_cudnn_attention, "tree": [model.tree.total_token, model.tree.depth, model.tree.top_k],
+    record = {"device": device_name(loaded.device), "runner": runner, "cudnn_attention": cudnn, "tree": tree,
               "results": [{"question_id": q.question_id, **r} for q, r in zip(prompts, results)]}
     (out / "round_times.json").write_text(json.dumps(record, indent=1))
     return results

@@ -58,6 +58,7 @@ class EaModel(nn.Module):
         """few_row_plan: the kernel per row count of the base's float32 CPU layers (eagle/model/few_rows.py;
         None = its default plan, False = plain nn.Linear)."""
         super().__init__()
+        runners.device_settings(base_model)
         self.base_model = base_model
         self.ea_layer = ea_layer
         self.tokenizer = tokenizer

@@ -6,6 +6,8 @@ algorithm (generate.py, draft.py, round_steps.py) never imports this module.
 
 from __future__ import annotations
 
+import torch
+
 from . import compiled, compiled_draft, cuda_graphs, few_rows
 from .cuda_round import CudaRound
 from .round_graphs import CompiledRound
@@ -14,6 +16,17 @@ from .round_steps import TreeShape
 
 def on_cuda(module) -> bool:
     return next(module.parameters()).device.type == "cuda"
+
+
+def device_settings(module) -> None:
+    """Process-wide settings for the device `module` runs on, applied when a model is built there (idempotent).
+    CUDA: scaled_dot_product_attention without cuDNN's kernel. For a call with an explicit mask (every tree pass,
+    the prefill, the head's levels) torch sends it to cuDNN first on Hopper and later GPUs, and cuDNN builds an
+    execution plan for every new shape before its first call: each new prompt length, and each key length the
+    eager parts of a round meet, then waits for a plan (BENCHMARKS.md, "The embedded default's real weights on one
+    H100"). The memory-efficient kernel takes the same masks and needs no plan."""
+    if next(module.parameters()).device.type == "cuda":
+        torch.backends.cuda.enable_cudnn_sdp(False)
 
 
 def base_buckets(cuda: bool) -> tuple[int, ...]:
