@@ -14,7 +14,8 @@
 #   run("bash eagle/evaluation/gpu_lease.sh part", carry=[".gpu/p2"])
 #   run("bash eagle/evaluation/gpu_lease.sh real", carry=[".gpu/p3"])
 # `real` joins the parts, converts the base (as the app's first start does) and runs the bench as the app decodes
-# (CUDA graphs), the round-by-round tool and HF `generate`; results in $OUT/{b60,b16,bhf,rounds}.
+# (CUDA graphs), the round-by-round tool (cuDNN attention off, and on again) and HF `generate`; results in
+# $OUT/{b60,b16,rounds,rounds_cudnn,bhf} and $OUT/stages.log.
 set -u
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 if [ "${1:-}" = pack ]; then  # here: the GGUF in three parts (.gpu is ignored through .git/info/exclude)
