@@ -67,6 +67,7 @@ if [ "${1:-costs}" = real ]; then  # call 3 of three: the parts joined, the embe
   stage rounds_cudnn 120 python3 -m eagle.evaluation.round_times --question-file .gpu/p3/question.jsonl --limit 4 \
     --max-new-tokens 256 --compile on --total-token 60 --depth 7 --top-k 10 --cudnn-attention --out "$OUT/rounds_cudnn"
   stage hf 90 python3 -m eagle.evaluation.bench $Q --methods hf --limit 4 --out "$OUT/bhf"
+  rm -f "$OUT"/*/bench.png "$OUT"/*/bench.md  # a call brings back 8 files: the JSONs and logs (tables in stages.log)
 elif [ "${1:-costs}" = costs ]; then  # call 1, about 5 minutes
   stage smollm2 150 $COSTS --bases smollm2-135m --stages hf_generate,$ROUND --out "$OUT/smollm2"
   stage pytest_gpu 150 python3 -m pytest -m gpu tests/test_cuda_round.py tests/test_gpu.py tests/test_cuda_graphs.py \
