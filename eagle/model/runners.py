@@ -25,7 +25,7 @@ def device_settings(module) -> None:
     execution plan for every new shape before its first call: each new prompt length, and each key length the
     eager parts of a round meet, then waits for a plan (BENCHMARKS.md, "The embedded default's real weights on one
     H100"). The memory-efficient kernel takes the same masks and needs no plan."""
-    if next(module.parameters()).device.type == "cuda":
+    if on_cuda(module):
         torch.backends.cuda.enable_cudnn_sdp(False)
 
 
