@@ -94,6 +94,35 @@ def test_a_row_alone_equals_the_same_row_among_8_or_16(qtype, bits):
 
 
 @needs_kernel
+@pytest.mark.parametrize("qtype, bits", ROUNDINGS)
+def test_every_tiling_gives_the_same_bits(qtype, bits):
+    """The tiling a machine measures fastest (which panels a tile covers, how far ahead it prefetches) is speed only:
+    no output changes with it, so greedy tokens never depend on where the tuner ran."""
+    n, k = 3 * quant_panels.width() + 7, 192  # an odd number of panels, the last one partial
+    panels = quant_panels.pack(qtype, random_blocks(qtype, n, k))
+    tilings = [*quant_panels.TILINGS, quant_panels.Tiling(1, 0)]
+    for rows in (1, 2, 3, 8, 16):
+        x = torch.randn(rows, k)
+        outs = []
+        for t in tilings:
+            with quant_panels.tiled(t):
+                assert quant_panels.tiling() == t
+                outs.append(quant_panels.linear(x, panels, None, n, qtype, bits))
+        for t, out in zip(tilings[1:], outs[1:]):
+            assert torch.equal(out, outs[0]), f"{t} changed the result of {rows} rows"
+
+
+@needs_kernel
+def test_a_tiling_the_kernel_cannot_run_is_refused_and_the_tiling_kept():
+    before = quant_panels.tiling()
+    with pytest.raises(RuntimeError, match="wide_rows must be 0, 1 or 2, got 3"):
+        quant_panels.set_tiling(quant_panels.Tiling(3, 4096))
+    with pytest.raises(RuntimeError, match="prefetch must be a multiple of 64 bytes"):
+        quant_panels.set_tiling(quant_panels.Tiling(0, 100))
+    assert quant_panels.tiling() == before
+
+
+@needs_kernel
 def test_blocks_that_do_not_match_are_refused_with_the_fix():
     panels = quant_panels.pack(Q4_1, random_blocks(Q4_1, 64, 64))
     with pytest.raises(RuntimeError, match="pack the blocks with eagle.model.quant_panels.pack"):

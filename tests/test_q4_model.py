@@ -6,9 +6,11 @@ import pytest
 import torch
 from lossless_checks import PROMPTS
 from q4_fixtures import quantized_tiny_base
-from tiny import random_draft
+from tiny import random_draft, save_base
 
+from eagle.chat.model_types import forwards_description
 from eagle.model import few_rows, panel_kernel, quant_gguf, quant_panels
+from eagle.model.base import BaseModel
 from eagle.model.checkpoint import read_checkpoint
 from eagle.model.ea_model import EaModel, load_head
 
@@ -47,6 +49,36 @@ def test_the_layers_read_the_gguf_blocks_and_compute_what_float32_weights_do(tmp
         torch.testing.assert_close(q8, f, rtol=0, atol=2e-2 * f.abs().max().item())
         assert not torch.equal(q8, q16)
     torch.testing.assert_close(fp32[-1], plain, rtol=1e-4, atol=1e-4)
+
+
+@needs_kernel
+def test_loading_puts_the_tiling_measured_fastest_here_in_force_measured_once(tmp_path, monkeypatch):
+    """A base that reads GGUF blocks runs under the panel tiling its forwards measured fastest on this machine
+    (tuner.panel_tiling): every candidate timed, the least total in force after loading, and a second load (another
+    process) takes it from the cache without timing."""
+    monkeypatch.setenv("EAGLE_CACHE", str(tmp_path / "cache"))
+    base = quantized_tiny_base(tmp_path / "tiny.gguf")
+    save_base(base, str(tmp_path / "base"))  # config.json names the GGUF
+    head = random_draft(base, str(tmp_path / "head"))
+    fastest = quant_panels.TILINGS[-1]
+    timed = []
+
+    def pass_seconds(self, rows, context=256, repeats=5):  # this machine, as far as the tuner can tell
+        timed.append(quant_panels.tiling())
+        return {n: (1e-3 if timed[-1] == fastest else 2e-3) * n for n in rows}
+
+    monkeypatch.setattr(BaseModel, "pass_seconds", pass_seconds)
+    with quant_panels.tiled(quant_panels.DEFAULT_TILING):
+        for load in range(2):
+            quant_panels.set_tiling(quant_panels.DEFAULT_TILING)  # a new process
+            model = EaModel.from_pretrained(str(tmp_path / "base"), head, total_token=8, depth=3, top_k=4,
+                                            dtype=torch.float32)  # fmt: skip
+            assert few_rows.reads_gguf_blocks(model.base_model)
+            assert quant_panels.tiling() == fastest
+            assert forwards_description(model).endswith(
+                f"GGUF blocks in wide tiles up to {fastest.wide_rows} rows, prefetch {fastest.prefetch // 1024} KB")
+            assert set(timed) == (set(quant_panels.TILINGS) if load == 0 else set())
+            timed.clear()
 
 
 @needs_kernel

@@ -237,7 +237,7 @@ class LoadedModel:
 
 def forwards_description(model) -> str:
     """How the base's forwards run: compiled graphs (and their row buckets) or eager, and the few-row kernels."""
-    from eagle.model import few_rows
+    from eagle.model import few_rows, quant_panels
 
     compiled = model.base.compiled
     text = f"compiled ({compiled.kind}; {'/'.join(map(str, compiled.buckets))}-row graphs)" if compiled else "eager"
@@ -254,6 +254,9 @@ def forwards_description(model) -> str:
             kernels.setdefault(kernel, []).append(rows)
         text += "; kernels " + ", ".join(f"{k} {min(r)}-{max(r)} rows" if len(r) > 1 else f"{k} {r[0]} row"
                                          for k, r in kernels.items())  # fmt: skip
+    if few_rows.reads_gguf_blocks(model.base_model):  # the tiling measured here (tuner.panel_tiling)
+        t = quant_panels.tiling()
+        text += f"; GGUF blocks in wide tiles up to {t.wide_rows} rows, prefetch {t.prefetch // 1024} KB"
     return text
 
 

@@ -17,7 +17,7 @@ from typing import Iterator
 import torch
 from torch import nn
 
-from . import few_rows, runners
+from . import few_rows, quant_panels, runners
 from .base import BaseModel
 from .checkpoint import build_draft_head, read_acceptance_profile, read_checkpoint, read_context_profile
 from .context_draft import BUCKETS, ContextDrafter, ContextStats
@@ -26,7 +26,7 @@ from .draft_head import DraftHead
 from .generate import Budget, Round, TreeSpec, eagle_rounds, greedy_tree_rounds, vanilla_rounds
 from .round_graphs import EagerRound
 from .round_steps import TreeShape
-from .tuner import TreeChoice, compile_rounds, faster_draft_dtype, few_row_plan, tune
+from .tuner import TreeChoice, compile_rounds, faster_draft_dtype, few_row_plan, panel_tiling, tune
 from .verify import SamplingParams, TokenPicker
 
 # End-of-turn tokens of common chat templates; those present in the vocabulary stop generation.
@@ -133,6 +133,8 @@ class EaModel(nn.Module):
                 few_rows.set_plan(base, few_row_plan(model))
             if set(few_rows.plan_of(base).values()) == {"linear"}:
                 few_rows.uninstall(base)
+        if few_rows.reads_gguf_blocks(base):  # the panel kernel's tiling for these weights on this machine
+            quant_panels.set_tiling(panel_tiling(model, log))
         if draft_dtype == "auto" and head.fc.weight.dtype == torch.float32 and head.fc.weight.device.type == "cpu":
             model.ea_layer.to(faster_draft_dtype(model))  # bf16 where it drafts faster on this CPU
         if compile != "off":

@@ -34,6 +34,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -105,9 +106,9 @@ static inline int32_t round8(const float* xb, float inv, int8_t* out) {
   }
   return _mm512_reduce_add_epi32(sum);
 }
-// the vectors of columns (NV) a tile of `rows` rows holds: rows x NV int32 sums in registers through a block, the
-// float32 sums touched once a block
-constexpr int nv_for(int rows) { return rows <= 2 ? 4 : 2; }
+// the vectors of columns (NV) a tile holds: rows x NV int32 sums in registers through a block, the float32 sums
+// touched once a block; wide tiles (two panels) for calls of up to 2 rows where the tiling says so, else one panel
+constexpr int NV_WIDE = 4, NV_ONE = 2;
 constexpr int MR = 8;  // rows of a tile at most
 #else
 constexpr int VL = 8;
@@ -169,14 +170,18 @@ static inline int32_t round8(const float* xb, float inv, int8_t* out) {
   _mm256_storeu_si256((__m256i*)out, _mm256_permutevar8x32_epi32(b, perm));
   return isum8(_mm256_add_epi32(_mm256_add_epi32(c[0], c[1]), _mm256_add_epi32(c[2], c[3])));
 }
-constexpr int nv_for(int rows) { return rows <= 2 ? 2 : 1; }
+constexpr int NV_WIDE = 2, NV_ONE = 1;  // one panel a wide tile, half of one otherwise
 constexpr int MR = 4;  // tiles of 8 rows spill the 16 registers (BENCHMARKS.md, the 4-bit section)
 #endif
 constexpr int NB = 2 * VL;  // columns of a panel
 constexpr int64_t block_bytes(int64_t qtype) { return qtype == Q4_1 ? 20 * NB : 34 * NB; }
-// A panel's blocks this many bytes ahead are prefetched into L1 at each block (the hardware prefetcher alone
-// left one row streaming below the machine's bandwidth; a prefetch past the end never faults).
-constexpr int64_t PREFETCH = 16384;
+
+// How the tiles cover the panels: wide tiles (NV_WIDE vectors of columns) for calls of up to `wide_rows` rows (0, 1
+// or 2), and how far ahead (bytes) a tile prefetches its panels' blocks into L1 at each block (the hardware prefetcher
+// alone left one row streaming below the machine's bandwidth; a prefetch past the end never faults). Speed only: a column's sums are
+// the same operations in the same order whatever the tiling. Set once per process from a measurement on the machine
+// (eagle/model/tuner.py, panel_tiling); these defaults until then.
+std::atomic<int64_t> g_wide_rows{2}, g_prefetch{16384};
 
 // The 8-bit product of a weight type: dot8 for Q4_1's nibbles (<= 15), dot8u for Q8_0's bytes (any value)
 template <int64_t QT>
@@ -194,6 +199,7 @@ struct Inputs {
   const float* sx;
   const int32_t* xsum;  // sum(xq) of a block (8-bit)
   int64_t K;
+  int64_t prefetch;  // bytes ahead (the tiling's)
 };
 
 // x [M, K] float32 -> xq (int16, or int8 in PERM8's order), s, sx, xsum (see the file's head): per row and block,
@@ -223,7 +229,7 @@ void tile(const Inputs& in, const uint8_t* panel, int64_t pstride, float* out, i
     for (int v = 0; v < NV; v++) acc[m][v] = zero();
   for (int64_t b = 0; b < nblocks; b++) {
     for (int p = 0; p < NP; p++)
-      for (int64_t i = 0; i < BS; i += 64) __builtin_prefetch(panel + p * pstride + b * BS + PREFETCH + i, 0, 3);
+      for (int64_t i = 0; i < BS; i += 64) __builtin_prefetch(panel + p * pstride + b * BS + in.prefetch + i, 0, 3);
     const uint8_t* blk[NV];  // the block of vector v's panel, and the vector's offset in it (columns)
     int col[NV];
     for (int v = 0; v < NV; v++) blk[v] = panel + ((h0 + v) / 2) * pstride + b * BS, col[v] = ((h0 + v) % 2) * VL;
@@ -309,10 +315,12 @@ template <int64_t QT, int XB>
 void run(const Inputs& in, int64_t M, const uint8_t* wp, int64_t P, int64_t N, const float* bp, float* op) {
   if (M == 0) return;
   const int64_t pstride = in.K / QK * block_bytes(QT), nblocks = in.K / QK;
-  const int nv_all = nv_for(static_cast<int>(std::min<int64_t>(MR, M)));  // 4: two panels a tile
+  const int64_t wide_rows = g_wide_rows.load(std::memory_order_relaxed);
+  const auto nv_for = [wide_rows](int64_t rows) { return rows <= wide_rows ? NV_WIDE : NV_ONE; };
+  const int nv_all = nv_for(std::min<int64_t>(MR, M));
   at::parallel_for(0, P, 1, [&](int64_t begin, int64_t end) {
     for (int64_t p = begin; p < end;) {
-      const int np = (nv_all == 4 && p + 1 < end) ? 2 : 1;  // panels this step
+      const int np = (nv_all == 4 && p + 1 < end) ? 2 : 1;  // panels this step (NV 4: two panels a tile)
       const int pcols = static_cast<int>(std::min<int64_t>(np * NB, N - p * NB));
       const uint8_t* panel = wp + p * pstride;
       for (int64_t m0 = 0; m0 < M; m0 += MR) {  // a panel's next tile of rows reads it from cache
@@ -320,7 +328,7 @@ void run(const Inputs& in, int64_t M, const uint8_t* wp, int64_t P, int64_t N, c
         const int nv = std::min(nv_for(rows), 2 * np);  // vectors of columns a tile covers
         const TileFn fn = tile_of<QT, XB>(rows, nv);
         const Inputs rows_in{XB == 16 ? in.xq + m0 * in.K : nullptr, XB == 8 ? in.xq8 + m0 * in.K : nullptr,
-                             in.s + m0 * nblocks, in.sx + m0 * nblocks, in.xsum + m0 * nblocks, in.K};
+                             in.s + m0 * nblocks, in.sx + m0 * nblocks, in.xsum + m0 * nblocks, in.K, in.prefetch};
         for (int h0 = 0; h0 < 2 * np && h0 * VL < pcols; h0 += nv)
           fn(rows_in, panel, pstride, op + m0 * N + p * NB + h0 * VL, N, bp ? bp + p * NB + h0 * VL : nullptr,
              std::min(nv * VL, pcols - h0 * VL), h0);
@@ -363,27 +371,45 @@ at::Tensor quant_panel_linear(const at::Tensor& x, const at::Tensor& panels, con
   const float* bp = bc.defined() ? bc.data_ptr<float>() : nullptr;
   const uint8_t* wp = wc.data_ptr<uint8_t>();
   float* op = out.data_ptr<float>();
+  const int64_t prefetch = g_prefetch.load(std::memory_order_relaxed);
   if (input_bits == 8) {
     std::vector<int8_t> xq(M * K);
     quantize_rows<8>(xc.data_ptr<float>(), M, K, xq.data(), s.data(), sx.data(), xsum.data());
-    const Inputs in{nullptr, xq.data(), s.data(), sx.data(), xsum.data(), K};
+    const Inputs in{nullptr, xq.data(), s.data(), sx.data(), xsum.data(), K, prefetch};
     (qtype == Q4_1 ? run<Q4_1, 8> : run<Q8_0, 8>)(in, M, wp, panels.size(0), N, bp, op);
   } else {
     std::vector<int16_t> xq(M * K);
     quantize_rows<16>(xc.data_ptr<float>(), M, K, xq.data(), s.data(), sx.data(), xsum.data());
-    run<Q4_1, 16>(Inputs{xq.data(), nullptr, s.data(), sx.data(), xsum.data(), K}, M, wp, panels.size(0), N, bp, op);
+    run<Q4_1, 16>(Inputs{xq.data(), nullptr, s.data(), sx.data(), xsum.data(), K, prefetch}, M, wp, panels.size(0), N, bp,
+                  op);
   }
   return out;
 }
 
 int64_t quant_panel_width() { return NB; }
 
+void quant_panel_set_tiling(int64_t wide_rows, int64_t prefetch) {
+  TORCH_CHECK(wide_rows >= 0 && wide_rows <= 2, "eagle::quant_panel_set_tiling: wide_rows must be 0, 1 or 2, got ",
+              wide_rows);
+  TORCH_CHECK(prefetch >= 0 && prefetch % 64 == 0 && prefetch <= (1 << 20),
+              "eagle::quant_panel_set_tiling: prefetch must be a multiple of 64 bytes in [0, 1 MiB], got ", prefetch);
+  g_wide_rows.store(wide_rows), g_prefetch.store(prefetch);
+}
+
+std::vector<int64_t> quant_panel_tiling() { return {g_wide_rows.load(), g_prefetch.load()}; }
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(eagle, m) {
   m.def("quant_panel_linear(Tensor x, Tensor panels, Tensor? bias, int out_features, int qtype, int input_bits=8) -> Tensor");
   m.def("quant_panel_width() -> int");
+  m.def("quant_panel_set_tiling(int wide_rows, int prefetch) -> ()");
+  m.def("quant_panel_tiling() -> int[]");
 }
 
 TORCH_LIBRARY_IMPL(eagle, CPU, m) { m.impl("quant_panel_linear", quant_panel_linear); }
-TORCH_LIBRARY_IMPL(eagle, CompositeExplicitAutograd, m) { m.impl("quant_panel_width", quant_panel_width); }
+TORCH_LIBRARY_IMPL(eagle, CompositeExplicitAutograd, m) {
+  m.impl("quant_panel_width", quant_panel_width);
+  m.impl("quant_panel_set_tiling", quant_panel_set_tiling);
+  m.impl("quant_panel_tiling", quant_panel_tiling);
+}

@@ -10,6 +10,9 @@ with the inputs rounded to `INPUT_BITS` a block (quant_linear.cpp states the bou
 
 from __future__ import annotations
 
+import contextlib
+from typing import NamedTuple
+
 import torch
 
 Q4_1, Q8_0 = 3, 8  # ggml's type numbers (gguf.GGMLQuantizationType), passed to the operator
@@ -23,6 +26,39 @@ BLOCK_BYTES = {Q4_1: 20, Q8_0: 34}  # bytes per block in the file
 INPUT_BITS = {Q4_1: 8, Q8_0: 8}
 # The order of a group of 8 k in which the kernel takes 8-bit inputs (quant_linear.cpp's PERM8): Q8_0's words match it
 PERM8 = (0, 4, 1, 5, 2, 6, 3, 7)
+
+
+class Tiling(NamedTuple):
+    """How the kernel's tiles cover the panels (speed only: every tiling gives the same bits)."""
+
+    wide_rows: int  # calls of up to this many rows (0, 1 or 2) take wide tiles (AVX-512: two panels, AVX2: one)
+    prefetch: int  # bytes ahead of a tile's block that it prefetches into L1 (a multiple of 64)
+
+
+DEFAULT_TILING = Tiling(2, 16384)
+# What the tuner times on a machine (tuner.panel_tiling): which is fastest differs between CPUs and memory systems
+TILINGS = (DEFAULT_TILING, Tiling(0, 16384), Tiling(2, 4096), Tiling(0, 4096))
+
+
+def tiling() -> Tiling:
+    """The tiling in force in this process: needs panel_kernel.available()."""
+    return Tiling(*torch.ops.eagle.quant_panel_tiling())
+
+
+def set_tiling(t: Tiling) -> None:
+    """Process-wide; takes effect at the next call (compiled graphs included)."""
+    torch.ops.eagle.quant_panel_set_tiling(t.wide_rows, t.prefetch)
+
+
+@contextlib.contextmanager
+def tiled(t: Tiling):
+    """`t` in force inside, the tiling before restored after."""
+    before = tiling()
+    set_tiling(t)
+    try:
+        yield
+    finally:
+        set_tiling(before)
 
 
 def width() -> int:

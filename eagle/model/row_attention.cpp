@@ -126,15 +126,15 @@ static inline float dot(const float* q, const float* k, int64_t D) {
 template <int NV, class Row>
 static inline vec block_dots(const float* q, Row row, int64_t c0) {
   vec a[VL];
-  if constexpr (NV + VL <= (VL == 16 ? 28 : 12)) {  // q in registers, a key at a time (of 32 or 16 registers)
+  if constexpr (NV + VL <= (VL == 16 ? 28 : 12)) {  // q and the VL keys' sums in registers (of 32 or 16)
     vec qv[NV];
     for (int i = 0; i < NV; i++) qv[i] = loadu(q + i * VL);
-    for (int j = 0; j < VL; j++) {
-      const float* kj = row(c0 + j);
-      vec acc = vec{};
-      for (int i = 0; i < NV; i++) acc = fmadd(qv[i], loadu(kj + i * VL), acc);
-      a[j] = acc;
-    }
+    for (int j = 0; j < VL; j++) a[j] = vec{};
+    // each key's chain over d as above, the VL chains interleaved (a chain at a time waits on each multiply-add)
+#pragma GCC unroll 16
+    for (int i = 0; i < NV; i++)
+#pragma GCC unroll 16
+      for (int j = 0; j < VL; j++) a[j] = fmadd(qv[i], loadu(row(c0 + j) + i * VL), a[j]);
   } else {  // too few registers for that: q's vectors in turn, every key's sums
     for (int j = 0; j < VL; j++) a[j] = vec{};
     for (int i = 0; i < NV; i++) {

@@ -23,7 +23,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from . import few_rows
+from . import few_rows, panel_kernel, quant_panels
 from .context_draft import CHAINS, pick_chains
 from .timing import repeated_seconds
 
@@ -137,6 +137,7 @@ def _cache_key(model, head: bool = True) -> str:
         "base": getattr(base.config, "_name_or_path", ""), "base_config": base.config.to_json_string(),
         "base_dtype": str(model.base.dtype), "few_row_plan": few_rows.plan_of(base),
         "few_row_kernels": few_rows.kernels_id(),
+        "tiling": quant_panels.tiling() if panel_kernel.loaded() else None,
         "compiled": model.base.compiled.buckets if model.base.compiled is not None else None,
         "spans": getattr(model.base.compiled, "spans", None),  # CUDA graphs: the cache spans they attend over
     }  # fmt: skip
@@ -226,6 +227,35 @@ def forget_costs(model) -> None:
 
 
 PLAN_ROWS = (1, 2, 4, 8, 16)  # row counts timed per kernel; a count in between takes the next one up's kernel
+
+
+TILING_ROWS = (1, 4, 8)  # a decode step and the verify passes of the trees a CPU runs
+
+
+def panel_tiling(model, log=None) -> quant_panels.Tiling:
+    """The panel kernel's tiling (quant_panels.TILINGS) under which the base's forwards run fastest on this machine,
+    for a base whose linears read GGUF blocks: each tiling times a base forward over each of TILING_ROWS new tokens,
+    in interleaved rounds (the fastest round counts), and the least total wins. Measured once per machine + model,
+    cached; the tiling in force is left as it was."""
+    with quant_panels.tiled(quant_panels.DEFAULT_TILING):  # the cache's key names the tiling the measuring starts from
+        path = _cache_path(model, "-tiling", head=False)
+        saved = _load(path)
+        if saved is None:
+            ms: dict[quant_panels.Tiling, dict[int, float]] = {t: {} for t in quant_panels.TILINGS}
+            for _ in range(3):
+                for t in quant_panels.TILINGS:
+                    with quant_panels.tiled(t):
+                        for n, s in model.base.pass_seconds(list(TILING_ROWS), repeats=3).items():
+                            ms[t][n] = min(ms[t].get(n, float("inf")), 1e3 * s)
+            best = min(ms, key=lambda t: sum(ms[t].values()))
+            saved = {"tiling": list(best), "ms": [[list(t), {str(n): v for n, v in ms[t].items()}] for t in ms]}
+            _save(path, saved)
+            if log:
+                log("panel kernel tilings (wide tiles up to rows, prefetch bytes), ms per base forward over "
+                    + "/".join(map(str, TILING_ROWS)) + " rows: "
+                    + "; ".join(f"{t.wide_rows}, {t.prefetch}: " + "/".join(f"{v:.1f}" for v in ms[t].values())
+                                for t in ms) + f"; using {best.wide_rows}, {best.prefetch}")  # fmt: skip
+    return quant_panels.Tiling(*saved["tiling"])
 
 
 def few_row_plan(model, log=None) -> dict[int, str]:
