@@ -53,9 +53,10 @@ def test_the_layers_read_the_gguf_blocks_and_compute_what_float32_weights_do(tmp
 
 @needs_kernel
 def test_loading_puts_the_tiling_measured_fastest_here_in_force_measured_once(tmp_path, monkeypatch):
-    """A base that reads GGUF blocks runs under the panel tiling its forwards measured fastest on this machine
-    (tuner.panel_tiling): every candidate timed, the least total in force after loading, and a second load (another
-    process) takes it from the cache without timing."""
+    """A base that reads GGUF blocks, loaded with the kernels timed here (few_row_kernels="auto", as the app and the
+    tools load), runs under the panel tiling its forwards measured fastest on this machine (tuner.panel_tiling):
+    every candidate timed, the least total in force after loading, and a second load (another process) takes it
+    from the cache without timing. A load with a given plan (the app's compile children) times nothing."""
     monkeypatch.setenv("EAGLE_CACHE", str(tmp_path / "cache"))
     base = quantized_tiny_base(tmp_path / "tiny.gguf")
     save_base(base, str(tmp_path / "base"))  # config.json names the GGUF
@@ -68,17 +69,24 @@ def test_loading_puts_the_tiling_measured_fastest_here_in_force_measured_once(tm
         return {n: (1e-3 if timed[-1] == fastest else 2e-3) * n for n in rows}
 
     monkeypatch.setattr(BaseModel, "pass_seconds", pass_seconds)
+    # "auto" times the few-row kernels too: the panel kernel wins them on GGUF blocks (tests/test_tuner.py times them)
+    monkeypatch.setattr("eagle.model.ea_model.few_row_plan", lambda model, log=None: few_rows.uniform_plan("panel"))
     with quant_panels.tiled(quant_panels.DEFAULT_TILING):
         for load in range(2):
             quant_panels.set_tiling(quant_panels.DEFAULT_TILING)  # a new process
             model = EaModel.from_pretrained(str(tmp_path / "base"), head, total_token=8, depth=3, top_k=4,
-                                            dtype=torch.float32)  # fmt: skip
+                                            few_row_kernels="auto", dtype=torch.float32)  # fmt: skip
             assert few_rows.reads_gguf_blocks(model.base_model)
             assert quant_panels.tiling() == fastest
             assert forwards_description(model).endswith(
                 f"GGUF blocks in wide tiles up to {fastest.wide_rows} rows, prefetch {fastest.prefetch // 1024} KB")
             assert set(timed) == (set(quant_panels.TILINGS) if load == 0 else set())
             timed.clear()
+        quant_panels.set_tiling(quant_panels.DEFAULT_TILING)
+        plan = few_rows.plan_of(model.base_model)
+        EaModel.from_pretrained(str(tmp_path / "base"), head, total_token=8, depth=3, top_k=4, few_row_kernels=plan,
+                                dtype=torch.float32)  # fmt: skip
+        assert not timed and quant_panels.tiling() == quant_panels.DEFAULT_TILING
 
 
 @needs_kernel

@@ -236,7 +236,8 @@ class LoadedModel:
 
 
 def forwards_description(model) -> str:
-    """How the base's forwards run: compiled graphs (and their row buckets) or eager, and the few-row kernels."""
+    """How the base's forwards run: compiled graphs (and their row buckets) or eager, the few-row kernels, and for
+    GGUF blocks the quantized kernel's tiling."""
     from eagle.model import few_rows, quant_panels
 
     compiled = model.base.compiled

@@ -101,7 +101,8 @@ class EaModel(nn.Module):
         float32 CPU head drafts faster in it, timed here): the head only proposes tokens and the base verifies
         them, so a bfloat16 head under a float32 base stays lossless. `few_row_kernels` (float32 CPU layers,
         eagle/model/few_rows.py): True = the default plan, False = none, "auto" = the fastest kernel per row count
-        as timed on this machine (cached), or a plan {rows: kernel}. `compile` (CPU, eagle/model/compiled.py):
+        as timed on this machine (cached; for linears that read GGUF blocks, the quantized kernel's fastest tiling),
+        or a plan {rows: kernel}. `compile` (CPU, eagle/model/compiled.py):
         "on" = the vanilla step and verify passes as compiled graphs (minutes the first time on a small CPU;
         eager if compiling fails, said through `log`), "off", or "auto" = on where a start with "on" measured
         them faster on this machine; on CUDA "on" captures CUDA graphs of the eager kernels (seconds), "inductor"
@@ -133,7 +134,7 @@ class EaModel(nn.Module):
                 few_rows.set_plan(base, few_row_plan(model))
             if set(few_rows.plan_of(base).values()) == {"linear"}:
                 few_rows.uninstall(base)
-        if few_rows.reads_gguf_blocks(base):  # the panel kernel's tiling for these weights on this machine
+        if few_row_kernels == "auto" and few_rows.reads_gguf_blocks(base):  # the tiling timed fastest here
             quant_panels.set_tiling(panel_tiling(model, log))
         if draft_dtype == "auto" and head.fc.weight.dtype == torch.float32 and head.fc.weight.device.type == "cpu":
             model.ea_layer.to(faster_draft_dtype(model))  # bf16 where it drafts faster on this CPU
