@@ -178,9 +178,9 @@ constexpr int64_t block_bytes(int64_t qtype) { return qtype == Q4_1 ? 20 * NB : 
 
 // How the tiles cover the panels: wide tiles (NV_WIDE vectors of columns) for calls of up to `wide_rows` rows (0, 1
 // or 2), and how far ahead (bytes) a tile prefetches its panels' blocks into L1 at each block (the hardware prefetcher
-// alone left one row streaming below the machine's bandwidth; a prefetch past the end never faults). Speed only: a column's sums are
-// the same operations in the same order whatever the tiling. Set once per process from a measurement on the machine
-// (eagle/model/tuner.py, panel_tiling); these defaults until then.
+// alone left one row streaming below the machine's bandwidth; a prefetch past the end never faults). Speed only: a
+// column's sums are the same operations in the same order whatever the tiling. Set once per process from a
+// measurement on the machine (eagle/model/tuner.py, panel_tiling); these defaults until then.
 std::atomic<int64_t> g_wide_rows{2}, g_prefetch{16384};
 
 // The 8-bit product of a weight type: dot8 for Q4_1's nibbles (<= 15), dot8u for Q8_0's bytes (any value)
@@ -380,8 +380,8 @@ at::Tensor quant_panel_linear(const at::Tensor& x, const at::Tensor& panels, con
   } else {
     std::vector<int16_t> xq(M * K);
     quantize_rows<16>(xc.data_ptr<float>(), M, K, xq.data(), s.data(), sx.data(), xsum.data());
-    run<Q4_1, 16>(Inputs{xq.data(), nullptr, s.data(), sx.data(), xsum.data(), K, prefetch}, M, wp, panels.size(0), N, bp,
-                  op);
+    const Inputs in{xq.data(), nullptr, s.data(), sx.data(), xsum.data(), K, prefetch};
+    run<Q4_1, 16>(in, M, wp, panels.size(0), N, bp, op);
   }
   return out;
 }

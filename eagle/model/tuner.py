@@ -16,6 +16,7 @@ Measurements are cached per machine, threads, model and head (`cache_dir()/tuner
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import time
@@ -232,6 +233,19 @@ PLAN_ROWS = (1, 2, 4, 8, 16)  # row counts timed per kernel; a count in between 
 TILING_ROWS = (1, 4, 8)  # a decode step and the verify passes of the trees a CPU runs
 
 
+def interleaved_ms(model, options, in_force, rows) -> dict:
+    """{option: {n: ms}}: a base forward over each of `rows` new tokens timed under each option (put in force by the
+    context manager `in_force(option)`), in three interleaved rounds; the fastest round counts (these machines are
+    noisy)."""
+    ms: dict = {o: {} for o in options}
+    for _ in range(3):
+        for o in options:
+            with in_force(o):
+                for n, s in model.base.pass_seconds(list(rows), repeats=3).items():
+                    ms[o][n] = min(ms[o].get(n, float("inf")), 1e3 * s)
+    return ms
+
+
 def panel_tiling(model, log=None) -> quant_panels.Tiling:
     """The panel kernel's tiling (quant_panels.TILINGS) under which the base's forwards run fastest on this machine,
     for a base whose linears read GGUF blocks: each tiling times a base forward over each of TILING_ROWS new tokens,
@@ -241,12 +255,7 @@ def panel_tiling(model, log=None) -> quant_panels.Tiling:
         path = _cache_path(model, "-tiling", head=False)
         saved = _load(path)
         if saved is None:
-            ms: dict[quant_panels.Tiling, dict[int, float]] = {t: {} for t in quant_panels.TILINGS}
-            for _ in range(3):
-                for t in quant_panels.TILINGS:
-                    with quant_panels.tiled(t):
-                        for n, s in model.base.pass_seconds(list(TILING_ROWS), repeats=3).items():
-                            ms[t][n] = min(ms[t].get(n, float("inf")), 1e3 * s)
+            ms = interleaved_ms(model, quant_panels.TILINGS, quant_panels.tiled, TILING_ROWS)
             best = min(ms, key=lambda t: sum(ms[t].values()))
             saved = {"tiling": list(best), "ms": [[list(t), {str(n): v for n, v in ms[t].items()}] for t in ms]}
             _save(path, saved)
@@ -269,15 +278,15 @@ def few_row_plan(model, log=None) -> dict[int, str]:
     path = _cache_path(model, "-few-row-plan")
     saved = _load(path)
     if saved is None:
-        kernels = few_rows.usable_kernels()
-        ms: dict[str, dict[int, float]] = {k: {} for k in kernels}
         in_force = few_rows.plan_of(base) or few_rows.DEFAULT_PLAN
+
+        @contextlib.contextmanager
+        def uniform(kernel):  # the plan restored once all are timed
+            few_rows.set_plan(base, few_rows.uniform_plan(kernel))
+            yield
+
         try:
-            for _ in range(3):
-                for k in kernels:
-                    few_rows.set_plan(base, few_rows.uniform_plan(k))
-                    for n, s in model.base.pass_seconds(list(PLAN_ROWS), repeats=3).items():
-                        ms[k][n] = min(ms[k].get(n, float("inf")), 1e3 * s)
+            ms = interleaved_ms(model, few_rows.usable_kernels(), uniform, PLAN_ROWS)
         finally:
             few_rows.set_plan(base, in_force)
         saved = {"ms": {k: {str(n): t for n, t in v.items()} for k, v in ms.items()}}
