@@ -14,8 +14,8 @@
 #   run("bash eagle/evaluation/gpu_lease.sh part", carry=[".gpu/p2"])
 #   run("bash eagle/evaluation/gpu_lease.sh real", carry=[".gpu/p3"])
 # `real` joins the parts, converts the base (as the app's first start does) and runs the bench as the app decodes
-# (CUDA graphs), the round-by-round tool (cuDNN attention off, and on again) and HF `generate`; results in
-# $OUT/{b60,b16,rounds,rounds_cudnn,bhf} and $OUT/stages.log.
+# (CUDA graphs) at 60/7/10, the round-by-round tool (cuDNN attention off, and on again), the bench at 16/4/4;
+# results in $OUT/{b60,rounds,rounds_cudnn,b16} and $OUT/stages.log (HF `generate`: `bench --methods hf`).
 set -u
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 if [ "${1:-}" = pack ]; then  # here: the GGUF in three parts (.gpu is ignored through .git/info/exclude)
@@ -60,13 +60,12 @@ if [ "${1:-costs}" = real ]; then  # call 3 of three: the parts joined, the embe
   Q="--question-file .gpu/p3/question.jsonl --limit 20 --max-new-tokens 256 --compile on --quiet"
   stage b60 200 python3 -m eagle.evaluation.bench $Q --methods vanilla,eagle --total-token 60 --depth 7 --top-k 10 \
     --out "$OUT/b60"
+  stage rounds 100 python3 -m eagle.evaluation.round_times --question-file .gpu/p3/question.jsonl --limit 4 \
+    --max-new-tokens 256 --compile on --total-token 60 --depth 7 --top-k 10 --out "$OUT/rounds"
+  stage rounds_cudnn 100 python3 -m eagle.evaluation.round_times --question-file .gpu/p3/question.jsonl --limit 4 \
+    --max-new-tokens 256 --compile on --total-token 60 --depth 7 --top-k 10 --cudnn-attention --out "$OUT/rounds_cudnn"
   stage b16 120 python3 -m eagle.evaluation.bench $Q --methods vanilla,eagle --total-token 16 --depth 4 --top-k 4 \
     --out "$OUT/b16"
-  stage rounds 120 python3 -m eagle.evaluation.round_times --question-file .gpu/p3/question.jsonl --limit 4 \
-    --max-new-tokens 256 --compile on --total-token 60 --depth 7 --top-k 10 --out "$OUT/rounds"
-  stage rounds_cudnn 120 python3 -m eagle.evaluation.round_times --question-file .gpu/p3/question.jsonl --limit 4 \
-    --max-new-tokens 256 --compile on --total-token 60 --depth 7 --top-k 10 --cudnn-attention --out "$OUT/rounds_cudnn"
-  stage hf 90 python3 -m eagle.evaluation.bench $Q --methods hf --limit 4 --out "$OUT/bhf"
   rm -f "$OUT"/*/bench.png "$OUT"/*/bench.md  # a call brings back 8 files: the JSONs and logs (tables in stages.log)
 elif [ "${1:-costs}" = costs ]; then  # call 1, about 5 minutes
   stage smollm2 150 $COSTS --bases smollm2-135m --stages hf_generate,$ROUND --out "$OUT/smollm2"
