@@ -51,7 +51,7 @@ def warm_lengths(spans: tuple[int, ...], rows: int, context: int) -> list[int]:
 class GraphedSteps:
     """One CUDA graph per key (a bucket of rows and its flags) of a function of static buffers, captured on the
     key's first call: of the function's eager kernels, or with `inductor` of inductor's fused kernels (the function
-    compiled first, a compile per key: all its shapes are static)."""
+    compiled first: see `_compiled`)."""
 
     def __init__(self, device: torch.device, capture: bool):
         self.device = device
@@ -91,9 +91,11 @@ class GraphedSteps:
 
 
 def _compiled(fn):
-    """fn compiled by inductor for its first inputs' shapes, called under dynamo's limit of graphs per function
-    raised: every key of a runner compiles the same function again."""
-    compiled = torch.compile(fn, dynamic=False)
+    """fn compiled by inductor, called under dynamo's limit of graphs per function raised (every key of a runner
+    compiles the same function). The keys of one step differ in their span alone (an int argument): the first span
+    compiles with its shapes static, the second with the span symbolic (dynamo's automatic dynamic shapes), and that
+    graph serves every later span, so a step compiles twice, not once per span."""
+    compiled = torch.compile(fn, dynamic=None)
 
     def call(*args):
         with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):

@@ -9,7 +9,7 @@ enters each graph as a [] tensor copied into its buffer; keys are read over the 
 (cuda_graphs.SPANS) that holds the context and the rows written, so a graph per step and span serves every length.
 Everything between the host's one read a round (`Verdict.packet`) and the next draft stays on the device.
 
-Where a graph does not apply the step runs eagerly on the same caches (EagerRound): a prompt's commit (its own rows),
+Where a graph does not apply the step runs eagerly on the same caches (EagerRound): a prompt shorter than a commit,
 a context chain, a cache not the runner's (a generation beside the one holding it), contexts past the last span.
 `capture=False` runs the same buffers and spans without capturing: how the tests check this path on a CPU.
 """

@@ -187,9 +187,10 @@ def greedy_tree_rounds(
     context: ContextDrafter | None = None,
 ) -> Iterator[Round]:  # fmt: skip
     """Greedy EAGLE-2 rounds, each three calls of `runner` (round_graphs.py: `draft`, `verify`, `keep`) and one host
-    read; the same tokens as `eagle_rounds` with a greedy picker. draft_cache: the head's, with room for the prompt, the
-    budget, one commit and one tree (round_steps.TreeShape). context: context drafts offered beside the head's
-    tree (the runner's shape has room for them)."""
+    read, after the prefill (the base's, then the head's over the prompt but its last rows: `runner.prefill`); the
+    same tokens as `eagle_rounds` with a greedy picker. draft_cache: the head's, with room for the prompt, the budget,
+    one commit and one tree (round_steps.TreeShape). context: context drafts offered beside the head's tree (the
+    runner's shape has room for them)."""
     t0 = time.perf_counter()
     logits, features = _prefill(base, input_ids, cache, features=True)  # [1, V], [P, F]
     root = logits[-1].argmax()  # [] the first token
@@ -201,7 +202,12 @@ def greedy_tree_rounds(
     prompt = input_ids.shape[1]
     ids = torch.cat([to_device(input_ids[0, 1:], root.device), root.reshape(1)])  # [P] the token after each one
     committed, start, n = prompt, 0, prompt  # base cache rows; draft cache rows; rows the next commit brings
-    length = to_device(torch.tensor(prompt), root.device)  # [] n on the device
+    head_rows = prompt - runner.shape.head_commit_rows  # the head reads these alone; the rest as a round's commit
+    if head_rows > 0:
+        runner.prefill(draft_cache, features[:head_rows], ids[:head_rows])
+        draft_cache.length = start = head_rows
+        features, ids, n = features[head_rows:], ids[head_rows:], prompt - head_rows  # [C', F], [C']
+    length = to_device(torch.tensor(n), root.device)  # [] n on the device
     if context is not None:
         context.extend(input_ids[0].tolist() + tokens)
     depth = runner.shape.max_depth  # D: the packet's layout (round_steps.Verdict)

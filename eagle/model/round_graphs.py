@@ -4,13 +4,15 @@
                                                                  count; None = unknown)
     runner.verify(cache, committed, tree, chain) -> Verdict   (chain: a context draft added first, or None)
     runner.keep(cache, committed, path, verdict)                (the accepted path's KV rows kept, the rest dropped)
+    runner.prefill(cache, features, ids)       (a prompt's rows before the first draft step's, into the head's cache)
     with runner.leased_draft_cache(capacity) as draft_cache: ...  (the head's cache for one generation)
 
 `EagerRound` calls the step functions; `CompiledRound` (CPU) runs each as one inductor graph per tree shape, with the
 machinery of the base's graphs (compiled.py: weights frozen, the panel kernel for float32 linears, the context
-length symbolic), and calls the step functions eagerly where a graph does not apply: a prompt's commit (its rows are
-not the shape's) and contexts of 0 or 1 rows (dynamo would specialise those ints into graphs of their own). On
-CUDA, cuda_round.py's `CudaRound` captures the same steps as CUDA graphs.
+length symbolic), and calls the step functions eagerly where a graph does not apply: a prompt shorter than a commit
+(its rows are not the shape's; a longer one's first rows are the head's `prefill`) and contexts of 0 or 1 rows
+(dynamo would specialise those ints into graphs of their own). On CUDA, cuda_round.py's `CudaRound` captures the same
+steps as CUDA graphs.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from .compiled import BucketGraphs, static_rows
 from .context_draft import ChainDraft
 from .draft import HeadStep
 from .few_rows import few_row_kernels
-from .round_steps import DeviceTree, TreeShape, Verdict, attach_chain, draft_step, verify_step
+from .round_steps import DeviceTree, TreeShape, Verdict, attach_chain, commit_step, draft_step, verify_step
 from .timing import repeated_seconds
 
 
@@ -38,6 +40,13 @@ class EagerRound:
         features, ids = self.commit_of(features, ids, rows)
         with few_row_kernels():  # float32 CPU linears: the plan's kernel per row count (few_rows.py)
             return draft_step(self.step, cache, start, features, ids, n, root, self.shape)
+
+    def prefill(self, cache, features, ids) -> None:
+        """The head over a prompt's first rows (features [m, F], ids [m]) at draft positions 0..m-1, eagerly: the
+        prompt's last rows and its first tree are then the first round's draft step, in its graph where it has one.
+        The caller sets `cache.length = m`."""
+        with few_row_kernels():
+            commit_step(self.step, cache, 0, features, ids)
 
     def commit_of(self, features, ids, rows: int | None):
         """The commit a draft step takes: with context chains in the shape, the rows of a path of the head's own
@@ -101,7 +110,7 @@ class CompiledRound(EagerRound):
     def draft(self, cache, start: int, features, ids, n, root, rows: int | None = None) -> DeviceTree:
         features, ids = self.commit_of(features, ids, rows)
         graph = self.draft_graphs.get(ids.shape[0])
-        if start < 2 or graph is None:  # a prompt's commit: its own rows
+        if start < 2 or graph is None:  # a short prompt's commit (its own rows), or a cache of 0 or 1 rows
             return super().draft(cache, start, features, ids, n, root)
         static_rows((features, 0), (features, 1), (ids, 0))
         return DeviceTree(*graph.call(self.shape.nodes, (cache, start, features, ids, n, root)))

@@ -1,6 +1,7 @@
 """A greedy EAGLE-2 round as two functions of tensors, each one graph when compiled (round_graphs.py):
 
     draft_step:  commit the accepted path to the draft cache, grow the tree level by level, select its nodes
+    commit_step: the commit alone (a prompt's rows before the first draft step's)
     verify_step: the base pass over the tree, greedy acceptance, the next commit's inputs (then the caller keeps
                  the accepted path's KV rows, from the path in the packet it reads)
     attach_chain: a context draft (a copy of earlier text, context_draft.py) added to the tree before the pass
@@ -13,8 +14,9 @@ with `span` given, none: the keys are then the cache's first `span` positions an
 against.
 
 Shapes: N = tree nodes with the root (the head's; + M context nodes after `attach_chain`), D = the deepest node's
-depth, C = commit rows (D + 1: the longest accepted path with the root; a prompt's commit is its length), P = context
-tokens proposed (head depth + M), F = base feature width, H = head width, Vd = draft vocab.
+depth, C = commit rows (D + 1: the longest accepted path with the root; a prompt's first commit is its last head
+depth + 1 rows, after `commit_step` over the rest, or the whole prompt where shorter), P = context tokens proposed
+(head depth + M), F = base feature width, H = head width, Vd = draft vocab.
 """
 
 from __future__ import annotations
@@ -115,6 +117,16 @@ def draft_step(step, cache, start, features, ids, n, root, shape: TreeShape, spa
     and no real row attends to them; tree entries go after all C rows and are overwritten by the next commit, so the
     caller sets `cache.length = start + n` afterwards. span: None (start an int, the keys end at the last row
     written) or the keys' static width (start a [] long tensor; the commit and the tree fit in the span)."""
+    C = ids.shape[0]
+    out = commit_step(step, cache, start, features, ids, span)  # [C, H]
+    last = out.index_select(0, (n - 1).reshape(1))  # [1, H]
+    return grow_tree(step, cache, start, C, start + n, last, step.log_probs(last), root, shape, span)
+
+
+def commit_step(step, cache, start, features, ids, span: int | None = None) -> torch.Tensor:
+    """The head over C committed rows at draft positions start.., each seeing the rows before it: their KV rows
+    written, their outputs [C, H] returned. features [C, F or H], ids [C]; start and span as `draft_step`'s. A
+    prompt's rows but its last few are committed this way alone (eagerly, once), the rest by the first draft step."""
     head = step.head
     device = ids.device
     C = ids.shape[0]
@@ -126,9 +138,7 @@ def draft_step(step, cache, start, features, ids, n, root, shape: TreeShape, spa
         causal, write = torch.ones(C, start + C, dtype=torch.bool, device=device).tril(start), start  # [C, start + C]
     else:
         causal, write = torch.arange(span, device=device)[None] <= at[:, None], at  # [C, span]
-    out = head(hidden, ids[None], at[None], additive_mask(causal, hidden.dtype), cache, write)[0]  # [C, H]
-    last = out.index_select(0, (n - 1).reshape(1))  # [1, H]
-    return grow_tree(step, cache, start, C, start + n, last, step.log_probs(last), root, shape, span)
+    return head(hidden, ids[None], at[None], additive_mask(causal, hidden.dtype), cache, write)[0]  # [C, H]
 
 
 def grow_tree(
