@@ -184,23 +184,24 @@ def start_compiled_rounds(engine, loaded, mode: str, log=lambda line: print(f"[c
 def compile_spec(loaded):
     """The graphs to compile for the loaded model: the base's 1-row step, its tree's verify bucket, the 8-row one
     (and the 4-row one where the base reads GGUF blocks), the draft's up to what a level or a commit of the tree
-    spans, the head in one dtype: with Q8_0 weights where the panel kernel runs under a float32 base (its quantized
-    kernel reads them in the graphs), else the head's own."""
+    spans, the head in one dtype: in GGUF blocks (tuner.QUANTIZED_HEAD) where the panel kernel runs under a float32
+    base (its quantized kernel reads them in the graphs), else the head's own."""
     import torch
 
-    from eagle.model import few_rows
+    from eagle.model import few_rows, quant_panels
     from eagle.model.compiled import BUCKETS, bucket_for
     from eagle.model.compiled_draft import DRAFT_BUCKETS
-    from eagle.model.tuner import quantized_head_pays
+    from eagle.model.tuner import QUANTIZED_HEAD, quantized_head_pays
 
     from .precompile import CompileSpec
 
     model, tree = loaded.model, loaded.model.tree
     panel = "panel" in few_rows.usable_kernels() and model.base.dtype == torch.float32
-    # a large head with Q8_0 weights (a quarter of the bytes a draft pass reads: its round draft step timed fastest
-    # here, BENCHMARKS.md), else the base's dtype where the panel kernel runs, else the head's own
+    # a large head in GGUF blocks (a sixth of the bytes a draft pass reads: its round draft step timed fastest here,
+    # BENCHMARKS.md), else the base's dtype where the panel kernel runs, else the head's own
     quantized = quantized_head_pays(model.base.dtype, model.ea_layer)
-    draft_dtype = "q8_0" if quantized else loaded.dtype if panel else model.ea_layer.dtype_name
+    draft_dtype = (quant_panels.NAMES[QUANTIZED_HEAD] if quantized
+                   else loaded.dtype if panel else model.ea_layer.dtype_name)  # fmt: skip
     verify = bucket_for(min(tree.max_nodes, max(BUCKETS)), BUCKETS)
     # a base reading GGUF blocks verifies 4 rows for much less than 8: its 4-row graph lets the tuner price 4-node trees
     quantized_base = few_rows.reads_gguf_blocks(model.base_model)

@@ -243,18 +243,19 @@ def lowest_priority() -> None:
 def load_compiled_head(base_model, head_path: str, dtype_name: str):
     """The head as the compiled draft steps freeze it: read from its checkpoint in `dtype_name` ("float32",
     "bfloat16", ...; never a cast of another dtype's copy, whose rounding would change the weights and so the
-    graphs' cache keys), or "q8_0": in float32, its linears then rounded to Q8_0 blocks (few_rows.quantize)."""
+    graphs' cache keys), or a GGUF block type ("q4_1", "q8_0"): in float32, its linears then rounded to those blocks
+    (few_rows.quantize)."""
     import torch
 
     from eagle.model import few_rows, quant_panels
     from eagle.model.checkpoint import read_checkpoint
     from eagle.model.ea_model import load_head
 
-    quantized = dtype_name == quant_panels.NAMES[quant_panels.Q8_0]
+    qtype = {name: q for q, name in quant_panels.NAMES.items()}.get(dtype_name)
     config, state = read_checkpoint(head_path)
-    head = load_head(base_model, config, state, None, torch.float32 if quantized else getattr(torch, dtype_name))
-    if quantized:
-        few_rows.quantize(head, quant_panels.Q8_0)
+    head = load_head(base_model, config, state, None, torch.float32 if qtype is not None else getattr(torch, dtype_name))
+    if qtype is not None:
+        few_rows.quantize(head, qtype)
     return head
 
 

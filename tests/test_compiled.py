@@ -242,23 +242,23 @@ def test_compiled_drafts_in_both_dtypes_and_the_faster_one_is_kept(folder, monke
     path, base = folder
     monkeypatch.setenv("EAGLE_CACHE", str(tmp_path))
     monkeypatch.setattr(compiled_draft, "DRAFT_BUCKETS", (4,))
-    monkeypatch.setattr(tuner, "QUANTIZED_HEAD_MIN_BYTES", 0)  # the tiny head offered with Q8_0 weights too
+    monkeypatch.setattr(tuner, "QUANTIZED_HEAD_MIN_BYTES", 0)  # the tiny head offered with Q4_1 weights too
     draft = random_draft(base, str(path / "draft_dtypes"), eagle3=True, draft_vocab=12)
     model = EaModel.from_pretrained(str(path / "base"), draft, dtype=torch.float32, draft_dtype=torch.bfloat16)
     lines = []
     drafts = tuner._compiled_drafts(model, lines.append)
-    # the head's dtype, the base's, and the base's with Q8_0 weights (few_rows.quantize)
-    assert [h.dtype_name for h, _ in drafts] == ["bfloat16", "float32", "q8_0"]
+    # the head's dtype, the base's, and the base's with Q4_1 weights (few_rows.quantize)
+    assert [h.dtype_name for h, _ in drafts] == ["bfloat16", "float32", "q4_1"]
     assert drafts[0][0] is model.ea_layer and all(isinstance(g, CompiledDraft) for _, g in drafts)
-    timed = {"bfloat16": 2.0, "float32": 1.0, "q8_0": 3.0}  # float32 drafts faster here (as on an AMD EPYC)
+    timed = {"bfloat16": 2.0, "float32": 1.0, "q4_1": 3.0}  # float32 drafts faster here (as on an AMD EPYC)
     monkeypatch.setattr(tuner, "draft_seconds", lambda m, d, k, repeats, head_and_graphs: {
         (d[0], k[0]): timed[head_and_graphs[0].dtype_name]})  # fmt: skip
     where = tmp_path / "draft-timing.json"
     head, graphs = tuner._faster_draft(model, drafts, (2, 1), where, lines.append)
     assert head.dtype_name == "float32" and graphs is drafts[1][1]
     assert lines[-1] == ("compiled draft phase (depth 2, width 1): 2000.0 ms in bfloat16, 1000.0 ms in float32, "
-                         "3000.0 ms in q8_0")  # fmt: skip
-    timed = {"bfloat16": 1.0, "float32": 2.0, "q8_0": 3.0}  # cached: not timed again
+                         "3000.0 ms in q4_1")  # fmt: skip
+    timed = {"bfloat16": 1.0, "float32": 2.0, "q4_1": 3.0}  # cached: not timed again
     assert tuner._faster_draft(model, drafts, (2, 1), where, lines.append)[0].dtype_name == "float32"
     # the kept head drafts with its graphs as it does eagerly: the same tokens in the same rounds
     runs = []

@@ -297,7 +297,7 @@ class DraftHead(nn.Module):
     @property
     def dtype_name(self) -> str:
         """The weights' dtype as options and logs write it: "float32", "bfloat16", or the GGUF block type its linears
-        read ("q8_0", few_rows.quantize)."""
+        read ("q4_1", few_rows.quantize)."""
         kinds = {quant_panels.NAMES[m.gguf[0]] for m in self.modules() if getattr(m, "gguf", None) is not None}
         return "/".join(sorted(kinds)) or str(self.fc.weight.dtype).removeprefix("torch.")
 

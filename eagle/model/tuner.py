@@ -370,13 +370,15 @@ def compile_rounds(model, mode: str, log, swap=None) -> bool | None:
     return install() if swap is None else swap(install)
 
 
-# a float32 head of at least this many bytes is also offered with Q8_0 weights (smaller ones stay in the caches)
+# a float32 head of at least this many bytes is also offered with its linears in GGUF blocks of QUANTIZED_HEAD's type
+# (smaller heads stay in the caches): Q4_1, 20 bytes per 32 weights, where Q8_0 reads 34 (BENCHMARKS.md compares them)
 QUANTIZED_HEAD_MIN_BYTES = 8 << 20
+QUANTIZED_HEAD = quant_panels.Q4_1
 
 
 def quantized_head_pays(base_dtype: torch.dtype, head) -> bool:
-    """Whether a float32 copy of `head` with Q8_0 weights (few_rows.quantize) may draft faster: under a float32 base
-    on CPU, where the panel kernel runs, for a head whose float32 weights outgrow the caches."""
+    """Whether a float32 copy of `head` with QUANTIZED_HEAD blocks (few_rows.quantize) may draft faster: under a
+    float32 base on CPU, where the panel kernel runs, for a head whose float32 weights outgrow the caches."""
 
     float32_bytes = 4 * sum(p.numel() for p in head.parameters())
     return (base_dtype == torch.float32 and head.fc.weight.device.type == "cpu"
@@ -386,20 +388,18 @@ def quantized_head_pays(base_dtype: torch.dtype, head) -> bool:
 def _compiled_drafts(model, log) -> list[tuple]:
     """(head, its CompiledDraft) in the head's dtype and, where that is not the base's (a bfloat16 head under a
     float32 base, picked by eager timing), in the base's: compiled kernels rank the two otherwise than eager ones
-    (BENCHMARKS.md); and a float32 copy with Q8_0 weights where `quantized_head_pays`. A head whose graphs fail to
-    compile is left out, with one line in `log`."""
+    (BENCHMARKS.md); and a float32 copy with QUANTIZED_HEAD blocks where `quantized_head_pays`. A head whose graphs
+    fail to compile is left out, with one line in `log`."""
     import copy
-
-    from . import quant_panels
 
     heads = [model.ea_layer]
     if model.ea_layer.fc.weight.dtype != model.base.dtype:
         heads.append(copy.deepcopy(model.ea_layer).to(model.base.dtype))
     if quantized_head_pays(model.base.dtype, heads[-1]):
-        # and with Q8_0 weights: a draft step reads the head's weights at every level, a quarter of the bytes
-        q8 = copy.deepcopy(heads[-1])
-        few_rows.quantize(q8, quant_panels.Q8_0)
-        heads.append(q8)
+        # and in GGUF blocks: a draft step reads the head's weights at every level, a sixth of the bytes
+        quantized = copy.deepcopy(heads[-1])
+        few_rows.quantize(quantized, QUANTIZED_HEAD)
+        heads.append(quantized)
     drafts = []
     for head in heads:
         try:
