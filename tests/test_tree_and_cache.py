@@ -141,6 +141,23 @@ def test_caches_after_compaction_equal_a_full_recompute(tmp_path, eagle3, prompt
     torch.testing.assert_close(drafter.last, replay.last, atol=1e-5, rtol=1e-4)
 
 
+def test_the_layers_share_one_length_that_a_pass_advances_once():
+    """Every layer of a pass writes at the cache's length and the last layer's update advances it (one int for the
+    compiled graphs to take, not one a layer); transformers' crop, which calls every layer's, removes rows once."""
+    cache = TreeKVCache(num_layers=3, capacity=8)
+    states = torch.arange(5.0).view(1, 1, 5, 1)
+    for layer in cache.layers:  # a pass of 3 rows after none
+        assert cache.length == 0
+        keys, values = layer.update(states[:, :, :3], -states[:, :, :3])
+        assert keys[0, 0, :, 0].tolist() == [0, 1, 2] and values[0, 0, :, 0].tolist() == [0, -1, -2]
+    assert cache.length == 3 and all(layer.get_seq_length() == 3 for layer in cache.layers)
+    for layer in cache.layers:  # the next pass writes after them
+        keys, _ = layer.update(states[:, :, 3:], -states[:, :, 3:])
+        assert keys[0, 0, :, 0].tolist() == [0, 1, 2, 3, 4]
+    cache.crop(-2)
+    assert cache.length == 3 and all(layer.get_seq_length() == 3 for layer in cache.layers)
+
+
 @pytest.fixture(params=["per layer", "one call"])
 def compaction(request, monkeypatch):
     """TreeKVCache.compact's two ways: copies per layer, or every layer in one call of the kernel library's

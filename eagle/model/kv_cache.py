@@ -1,9 +1,11 @@
 """A preallocated, compactable KV cache that plugs into transformers' `Cache` API.
 
 Each layer owns fixed buffers `keys`/`values` of shape [1, kv_heads, capacity, head_dim]; only the first `length`
-positions are valid. `update` writes new states in place and returns views of the valid prefix, so a forward pass
-never concatenates (DynamicCache copies the whole cache on every step). After tree verification, `compact` moves
-the accepted tree rows into the contiguous prefix and rejected rows are simply overwritten by the next pass.
+positions are valid, one length for all layers (the cache's): a pass writes every layer's rows at the same positions,
+and the last layer's `update` advances it (so a compiled pass takes and returns one int, not one a layer). `update`
+writes new states in place and returns views of the valid prefix, so a forward pass never concatenates
+(DynamicCache copies the whole cache on every step). After tree verification, `compact` moves the accepted tree rows
+into the contiguous prefix and rejected rows are simply overwritten by the next pass.
 
 For CUDA graphs (cuda_graphs.py) a cache must keep its addresses and every captured pass its shapes: a
 `TreeKVCache(..., static=True)` is owned by the graphs' runner, and while `write_positions` is set (a device tensor
@@ -22,15 +24,25 @@ from .transfer import to_device
 
 
 class PreallocatedLayer(CacheLayerMixin):
-    """One attention layer's cache; buffers are allocated on first use, on the device of the layer."""
+    """One attention layer's cache; buffers are allocated on first use, on the device of the layer. Its length is
+    `cache`'s; `last`: the layer whose update advances it."""
 
     is_croppable = True
     is_sliding = False
 
-    def __init__(self, capacity: int):
+    def __init__(self, capacity: int, cache: "TreeKVCache", last: bool):
         super().__init__()
         self.capacity = capacity
-        self.length = 0
+        self.cache = cache
+        self.last = last
+
+    @property
+    def length(self) -> int:
+        return self.cache.length
+
+    @length.setter
+    def length(self, n: int) -> None:
+        self.cache.length = n
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         batch, heads, _, head_dim = key_states.shape
@@ -42,16 +54,17 @@ class PreallocatedLayer(CacheLayerMixin):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        n = key_states.shape[-2]
-        end = self.length + n
+        n, start = key_states.shape[-2], self.cache.length
+        end = start + n
         if end > self.capacity:
             raise RuntimeError(
                 f"KV cache overflow: {end} positions needed, {self.capacity} allocated. "
                 "Raise max_length in eagenerate (the cache is sized max_length + tree size)."
             )
-        self.keys[:, :, self.length : end] = key_states
-        self.values[:, :, self.length : end] = value_states
-        self.length = end
+        self.keys[:, :, start:end] = key_states
+        self.values[:, :, start:end] = value_states
+        if self.last:
+            self.cache.length = end
         return self.keys[:, :, :end], self.values[:, :, :end]
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
@@ -67,10 +80,12 @@ class PreallocatedLayer(CacheLayerMixin):
         self.length = 0
 
     def crop(self, tokens_to_remove: int) -> None:
-        """Drop the last `-tokens_to_remove` positions (transformers' 5.18+ convention: a negative count)."""
+        """Drop the last `-tokens_to_remove` positions (transformers' 5.18+ convention: a negative count). The cache's
+        `crop` calls every layer's: the last one moves the shared length, as in `update`."""
         if tokens_to_remove > 0:
             raise ValueError("crop takes a negative number of tokens to remove")
-        self.length = max(0, self.length + tokens_to_remove)
+        if self.last:
+            self.length = max(0, self.length + tokens_to_remove)
 
     def compact(self, keep: torch.Tensor, start: int) -> None:
         """Move positions `keep` (ascending, all >= start) to [start, start + len(keep)) and truncate there."""
@@ -88,10 +103,6 @@ class StaticLayer(PreallocatedLayer):
     """A layer of a static cache: in a captured pass (the cache's `write_positions` set) rows go to those positions
     and attention sees the buffers' first `read_span` positions; the length, a host int, is the runner's to keep.
     Eager otherwise."""
-
-    def __init__(self, capacity: int, cache: "TreeKVCache"):
-        super().__init__(capacity)
-        self.cache = cache
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         super().lazy_initialization(key_states, value_states)
@@ -120,19 +131,15 @@ class TreeKVCache(Cache):
 
     def __init__(self, num_layers: int, capacity: int, static: bool = False):
         """static: layers that captured passes write by position (`StaticLayer`), for CUDA graphs."""
-        layers = [StaticLayer(capacity, self) if static else PreallocatedLayer(capacity) for _ in range(num_layers)]
-        super().__init__(layers=layers)
+        self.length = 0  # valid positions in every layer
+        kind = StaticLayer if static else PreallocatedLayer
+        super().__init__(layers=[kind(capacity, self, last=i == num_layers - 1) for i in range(num_layers)])
         self.capacity = capacity
         self.write_positions: torch.Tensor | None = None  # [q] set by the graphs' runner around a captured pass
         self.read_span: int | None = None  # the positions that pass attends over (a span: cuda_graphs.SPANS)
 
-    @property
-    def length(self) -> int:
-        return self.layers[0].length
-
     def crop_to(self, length: int) -> None:
-        for layer in self.layers:
-            layer.length = length
+        self.length = length
 
     def compact(self, keep: list[int], start: int) -> None:
         """Keep cache positions `keep` (absolute, ascending) as positions start, start+1, ...; drop the rest. Rows
