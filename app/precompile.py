@@ -253,7 +253,8 @@ def load_compiled_head(base_model, head_path: str, dtype_name: str):
 
     qtype = {name: q for q, name in quant_panels.NAMES.items()}.get(dtype_name)
     config, state = read_checkpoint(head_path)
-    head = load_head(base_model, config, state, None, torch.float32 if qtype is not None else getattr(torch, dtype_name))
+    dtype = torch.float32 if qtype is not None else getattr(torch, dtype_name)
+    head = load_head(base_model, config, state, None, dtype)
     if qtype is not None:
         few_rows.quantize(head, qtype)
     return head
