@@ -36,14 +36,6 @@ class PreallocatedLayer(CacheLayerMixin):
         self.cache = cache
         self.last = last
 
-    @property
-    def length(self) -> int:
-        return self.cache.length
-
-    @length.setter
-    def length(self, n: int) -> None:
-        self.cache.length = n
-
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         batch, heads, _, head_dim = key_states.shape
         self.keys = key_states.new_empty(batch, heads, self.capacity, head_dim)
@@ -68,16 +60,16 @@ class PreallocatedLayer(CacheLayerMixin):
         return self.keys[:, :, :end], self.values[:, :, :end]
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.length + query_length, 0
+        return self.cache.length + query_length, 0
 
     def get_seq_length(self) -> int:
-        return self.length
+        return self.cache.length
 
     def get_max_length(self) -> int:
         return self.capacity
 
     def reset(self) -> None:
-        self.length = 0
+        self.cache.length = 0
 
     def crop(self, tokens_to_remove: int) -> None:
         """Drop the last `-tokens_to_remove` positions (transformers' 5.18+ convention: a negative count). The cache's
@@ -85,7 +77,7 @@ class PreallocatedLayer(CacheLayerMixin):
         if tokens_to_remove > 0:
             raise ValueError("crop takes a negative number of tokens to remove")
         if self.last:
-            self.length = max(0, self.length + tokens_to_remove)
+            self.cache.length = max(0, self.cache.length + tokens_to_remove)
 
     def compact(self, keep: torch.Tensor, start: int) -> None:
         """Move positions `keep` (ascending, all >= start) to [start, start + len(keep)) and truncate there."""
@@ -96,7 +88,7 @@ class PreallocatedLayer(CacheLayerMixin):
         # index_select copies first, so overlapping source and destination ranges are safe.
         self.keys[:, :, start : start + n] = self.keys.index_select(2, keep)
         self.values[:, :, start : start + n] = self.values.index_select(2, keep)
-        self.length = start + n
+        self.cache.length = start + n
 
 
 class StaticLayer(PreallocatedLayer):
