@@ -61,7 +61,7 @@ def test_loading_puts_the_tiling_measured_fastest_here_in_force_measured_once(tm
     base = quantized_tiny_base(tmp_path / "tiny.gguf")
     save_base(base, str(tmp_path / "base"))  # config.json names the GGUF
     head = random_draft(base, str(tmp_path / "head"))
-    fastest = quant_panels.TILINGS[-1]
+    fastest = quant_panels.tilings()[-1]
     timed = []
 
     def pass_seconds(self, rows, context=256, repeats=5):  # this machine, as far as the tuner can tell
@@ -71,22 +71,22 @@ def test_loading_puts_the_tiling_measured_fastest_here_in_force_measured_once(tm
     monkeypatch.setattr(BaseModel, "pass_seconds", pass_seconds)
     # "auto" times the few-row kernels too: the panel kernel wins them on GGUF blocks (tests/test_tuner.py times them)
     monkeypatch.setattr("eagle.model.ea_model.few_row_plan", lambda model, log=None: few_rows.uniform_plan("panel"))
-    with quant_panels.tiled(quant_panels.DEFAULT_TILING):
+    with quant_panels.tiled(quant_panels.default_tiling()):
         for load in range(2):
-            quant_panels.set_tiling(quant_panels.DEFAULT_TILING)  # a new process
+            quant_panels.set_tiling(quant_panels.default_tiling())  # a new process
             model = EaModel.from_pretrained(str(tmp_path / "base"), head, total_token=8, depth=3, top_k=4,
                                             few_row_kernels="auto", dtype=torch.float32)  # fmt: skip
             assert few_rows.reads_gguf_blocks(model.base_model)
             assert quant_panels.tiling() == fastest
             assert forwards_description(model).endswith(
                 f"GGUF blocks in wide tiles up to {fastest.wide_rows} rows, prefetch {fastest.prefetch // 1024} KB")
-            assert set(timed) == (set(quant_panels.TILINGS) if load == 0 else set())
+            assert set(timed) == (set(quant_panels.tilings()) if load == 0 else set())
             timed.clear()
-        quant_panels.set_tiling(quant_panels.DEFAULT_TILING)
+        quant_panels.set_tiling(quant_panels.default_tiling())
         plan = few_rows.plan_of(model.base_model)
         EaModel.from_pretrained(str(tmp_path / "base"), head, total_token=8, depth=3, top_k=4, few_row_kernels=plan,
                                 dtype=torch.float32)  # fmt: skip
-        assert not timed and quant_panels.tiling() == quant_panels.DEFAULT_TILING
+        assert not timed and quant_panels.tiling() == quant_panels.default_tiling()
 
 
 @needs_kernel

@@ -8,9 +8,10 @@
 //   the row's 32 inputs are rounded against their largest magnitude: x ~ s[m, b] * xq, s = max |x| / L, |xq| <= L;
 //   isum = sum_k q[k, j] * xq[m, k], exact in int32 (|isum| <= 32 * 128 * 32767 < 2^31) by 16-bit dot products
 //   (vpdpwssd, or vpmaddwd + vpaddd; two k a lane) or 8-bit ones (vpdpbusd: unsigned bytes times signed inputs, four
-//   k a lane; without VNNI vpmaddubsw + vpmaddwd for Q4_1's nibbles, |q * xq| * 2 < 2^15 so nothing saturates, and
-//   two vpmaddwd on the bytes widened to 16 bits for Q8_0's); Q8_0's signed q are stored as u = q + 128, so the
-//   product sums u * xq and takes 128 * sum(xq) back off, exactly;
+//   k a lane; without VNNI vpmaddubsw's int16 pair sums for Q4_1's nibbles, added as int16 over a block and widened by
+//   vpmaddwd, |q * xq| * 2 * 8 < 2^15 so nothing saturates or wraps; for Q8_0's, vpmaddubsw on |q| and xq signed as q
+//   with AVX2, or two vpmaddwd on the bytes widened to 16 bits with AVX-512); Q8_0's signed q are stored as
+//   u = q + 128, so a VNNI product sums u * xq and takes 128 * sum(xq) back off, exactly;
 //   Q4_1 (w = d * q + m): acc += (float(isum) * s[m, b]) * d[b, j], then acc += sx[m, b] * m[b, j], where
 //   sx = s[m, b] * (the integer sum of the block's xq), so each row is multiplied exactly as its rounded inputs
 //   s * xq (the minimum's term rounded like the rest: its rounding errors cancel against the scale's, w being
@@ -58,23 +59,31 @@ static inline vi load(const uint8_t* p) { return _mm512_loadu_si512(p); }
 static inline vi nibble_pairs(vi w, int p) { return _mm512_and_si512(_mm512_srli_epi32(w, 4 * p), _mm512_set1_epi32(0x000F000F)); }
 static inline vi nibbles(vi w, int p) { return _mm512_and_si512(_mm512_srli_epi32(w, 4 * p), _mm512_set1_epi32(0x0F0F0F0F)); }
 static inline vi bcast32(const void* p) { int32_t v; std::memcpy(&v, p, 4); return _mm512_set1_epi32(v); }  // 4 bytes
-// dot8: unsigned bytes u <= 15 times signed bytes, four a lane; dot8u: the same for any unsigned byte
+// dot8x2: two products of unsigned bytes u <= 15 (Q4_1's nibbles) times signed bytes |s| <= 127, four a lane, added to
+// a block's running sum, which widen8 turns into int32 lanes at the block's end: with VNNI int32 all along; without,
+// vpmaddubsw's int16 pair sums (|u0 s0 + u1 s1| <= 3810) added as int16, eight a block (<= 30480 < 2^15: exact), and
+// widened once a block by vpmaddwd. dot8u, then unbias8u once a block: the int32 sum of q * s for Q8_0's stored
+// u = q + 128 (sum u * s, less 128 * sum(s); or, on AVX2 without VNNI, q * s directly as llama.cpp does: vpmaddubsw
+// on |q| and s signed as q, pair sums |.| <= 2 * 128 * 127 < 2^15).
 #ifdef __AVX512VNNI__
 static inline vi dot(vi acc, vi a, vi b) { return _mm512_dpwssd_epi32(acc, a, b); }
-static inline vi dot8(vi acc, vi u, vi s) { return _mm512_dpbusd_epi32(acc, u, s); }
+static inline vi dot8x2(vi acc, vi u0, vi s0, vi u1, vi s1) { return _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(acc, u0, s0), u1, s1); }
+static inline vi widen8(vi acc) { return acc; }
 static inline vi dot8u(vi acc, vi u, vi s) { return _mm512_dpbusd_epi32(acc, u, s); }
+static inline vi unbias8u(vi acc, int32_t xsum) { return _mm512_sub_epi32(acc, _mm512_set1_epi32(128 * xsum)); }
 #else
 static inline vi dot(vi acc, vi a, vi b) { return _mm512_add_epi32(acc, _mm512_madd_epi16(a, b)); }
-static inline vi dot8(vi acc, vi u, vi s) {
-  return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(u, s), _mm512_set1_epi16(1)));
+static inline vi dot8x2(vi acc, vi u0, vi s0, vi u1, vi s1) {
+  return _mm512_add_epi16(acc, _mm512_add_epi16(_mm512_maddubs_epi16(u0, s0), _mm512_maddubs_epi16(u1, s1)));
 }
+static inline vi widen8(vi acc) { return _mm512_madd_epi16(acc, _mm512_set1_epi16(1)); }
 static inline vi dot8u(vi acc, vi u, vi s) {  // bytes 0, 2 then 1, 3 of each lane widened to 16 bits
   const vi even = _mm512_madd_epi16(_mm512_and_si512(u, _mm512_set1_epi16(0x00FF)), _mm512_srai_epi16(_mm512_slli_epi16(s, 8), 8));
   return _mm512_add_epi32(_mm512_add_epi32(acc, even), _mm512_madd_epi16(_mm512_srli_epi16(u, 8), _mm512_srai_epi16(s, 8)));
 }
+static inline vi unbias8u(vi acc, int32_t xsum) { return _mm512_sub_epi32(acc, _mm512_set1_epi32(128 * xsum)); }
 #endif
 static inline vi izero() { return _mm512_setzero_si512(); }
-static inline vi isub(vi a, int32_t b) { return _mm512_sub_epi32(a, _mm512_set1_epi32(b)); }
 static inline vf tofloat(vi a) { return _mm512_cvtepi32_ps(a); }
 static inline vf fma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
 static inline vf mul(vf a, vf b) { return _mm512_mul_ps(a, b); }
@@ -107,9 +116,10 @@ static inline int32_t round8(const float* xb, float inv, int8_t* out) {
   return _mm512_reduce_add_epi32(sum);
 }
 // the vectors of columns (NV) a tile holds: rows x NV int32 sums in registers through a block, the float32 sums
-// touched once a block; wide tiles (two panels) for calls of up to 2 rows where the tiling says so, else one panel
+// touched once a block; wide tiles (two panels, of up to WIDE_MR rows) where the tiling says so, else one panel
 constexpr int NV_WIDE = 4, NV_ONE = 2;
-constexpr int MR = 8;  // rows of a tile at most
+constexpr int MR = 8;       // rows of a tile at most
+constexpr int WIDE_MR = 2;  // rows of a wide tile at most: 2 x 4 sums and their float32 twins fill the 32 registers
 #else
 constexpr int VL = 8;
 typedef __m256 vf;
@@ -121,20 +131,24 @@ static inline vi nibbles(vi w, int p) { return _mm256_and_si256(_mm256_srli_epi3
 static inline vi bcast32(const void* p) { int32_t v; std::memcpy(&v, p, 4); return _mm256_set1_epi32(v); }  // 4 bytes
 #ifdef __AVXVNNI__
 static inline vi dot(vi acc, vi a, vi b) { return _mm256_dpwssd_avx_epi32(acc, a, b); }
-static inline vi dot8(vi acc, vi u, vi s) { return _mm256_dpbusd_avx_epi32(acc, u, s); }
+static inline vi dot8x2(vi acc, vi u0, vi s0, vi u1, vi s1) { return _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(acc, u0, s0), u1, s1); }
+static inline vi widen8(vi acc) { return acc; }
 static inline vi dot8u(vi acc, vi u, vi s) { return _mm256_dpbusd_avx_epi32(acc, u, s); }
+static inline vi unbias8u(vi acc, int32_t xsum) { return _mm256_sub_epi32(acc, _mm256_set1_epi32(128 * xsum)); }
 #else
 static inline vi dot(vi acc, vi a, vi b) { return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b)); }
-static inline vi dot8(vi acc, vi u, vi s) {
-  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+static inline vi dot8x2(vi acc, vi u0, vi s0, vi u1, vi s1) {
+  return _mm256_add_epi16(acc, _mm256_add_epi16(_mm256_maddubs_epi16(u0, s0), _mm256_maddubs_epi16(u1, s1)));
 }
-static inline vi dot8u(vi acc, vi u, vi s) {  // bytes 0, 2 then 1, 3 of each lane widened to 16 bits
-  const vi even = _mm256_madd_epi16(_mm256_and_si256(u, _mm256_set1_epi16(0x00FF)), _mm256_srai_epi16(_mm256_slli_epi16(s, 8), 8));
-  return _mm256_add_epi32(_mm256_add_epi32(acc, even), _mm256_madd_epi16(_mm256_srli_epi16(u, 8), _mm256_srai_epi16(s, 8)));
+static inline vi widen8(vi acc) { return _mm256_madd_epi16(acc, _mm256_set1_epi16(1)); }
+static inline vi dot8u(vi acc, vi u, vi s) {  // q = u ^ 0x80 as int8; |q| * (s signed as q) = q * s
+  const vi q = _mm256_xor_si256(u, _mm256_set1_epi8(-128));
+  const vi pairs = _mm256_maddubs_epi16(_mm256_abs_epi8(q), _mm256_sign_epi8(s, q));
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
 }
+static inline vi unbias8u(vi acc, int32_t) { return acc; }  // dot8u summed q * s
 #endif
 static inline vi izero() { return _mm256_setzero_si256(); }
-static inline vi isub(vi a, int32_t b) { return _mm256_sub_epi32(a, _mm256_set1_epi32(b)); }
 static inline vf tofloat(vi a) { return _mm256_cvtepi32_ps(a); }
 static inline vf fma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
 static inline vf mul(vf a, vf b) { return _mm256_mul_ps(a, b); }
@@ -172,22 +186,25 @@ static inline int32_t round8(const float* xb, float inv, int8_t* out) {
 }
 constexpr int NV_WIDE = 2, NV_ONE = 1;  // one panel a wide tile, half of one otherwise
 constexpr int MR = 4;  // tiles of 8 rows spill the 16 registers (BENCHMARKS.md, the 4-bit section)
+constexpr int WIDE_MR = 4;  // a wide tile's float32 sums spill, touched once a block; its block sums stay in registers
 #endif
 constexpr int NB = 2 * VL;  // columns of a panel
 constexpr int64_t block_bytes(int64_t qtype) { return qtype == Q4_1 ? 20 * NB : 34 * NB; }
 
-// How the tiles cover the panels: wide tiles (NV_WIDE vectors of columns) for calls of up to `wide_rows` rows (0, 1
-// or 2), and how far ahead (bytes) a tile prefetches its panels' blocks into L1 at each block (the hardware prefetcher
-// alone left one row streaming below the machine's bandwidth; a prefetch past the end never faults). Speed only: a
+// How the tiles cover the panels: wide tiles (NV_WIDE vectors of columns) for calls of up to `wide_rows` rows (0 to
+// WIDE_MR; tiles of more rows take one panel), and how far ahead (bytes) a tile prefetches its panels' blocks into L1
+// at each block (the hardware prefetcher alone left one row streaming below the machine's bandwidth; a prefetch past
+// the end never faults). Speed only: a
 // column's sums are the same operations in the same order whatever the tiling. Set once per process from a
 // measurement on the machine (eagle/model/tuner.py, panel_tiling); these defaults until then.
-std::atomic<int64_t> g_wide_rows{2}, g_prefetch{16384};
+std::atomic<int64_t> g_wide_rows{WIDE_MR}, g_prefetch{16384};
 
-// The 8-bit product of a weight type: dot8 for Q4_1's nibbles (<= 15), dot8u for Q8_0's bytes (any value)
+// The 8-bit products of a weight type over a group (two words of four bytes a lane): dot8x2 for Q4_1's nibbles
+// (<= 15; the block's sum widened by widen8), dot8u for Q8_0's bytes (any value)
 template <int64_t QT>
-static inline vi dot8_of(vi acc, vi u, vi s) {
-  if constexpr (QT == Q4_1) return dot8(acc, u, s);
-  else return dot8u(acc, u, s);
+static inline vi dot8_of(vi acc, vi u0, vi s0, vi u1, vi s1) {
+  if constexpr (QT == Q4_1) return dot8x2(acc, u0, s0, u1, s1);
+  else return dot8u(dot8u(acc, u0, s0), u1, s1);
 }
 
 // The rows' inputs as the kernel multiplies them: xq [M, K] int16 or int8, s, (Q4_1) sx [M, K / 32] float32 and
@@ -253,12 +270,15 @@ void tile(const Inputs& in, const uint8_t* panel, int64_t pstride, float* out, i
 #pragma GCC unroll 8
         for (int m = 0; m < ROWS; m++) {
           const vi x0 = bcast32(xb8 + m * K + 8 * g), x1 = bcast32(xb8 + m * K + 8 * g + 4);
-          for (int v = 0; v < NV; v++) isum[m][v] = dot8_of<QT>(dot8_of<QT>(isum[m][v], w[0][v], x0), w[1][v], x1);
+          for (int v = 0; v < NV; v++) isum[m][v] = dot8_of<QT>(isum[m][v], w[0][v], x0, w[1][v], x1);
         }
       }
+      if constexpr (QT == Q4_1)
+        for (int m = 0; m < ROWS; m++)
+          for (int v = 0; v < NV; v++) isum[m][v] = widen8(isum[m][v]);
       if constexpr (QT == Q8_0)
-        for (int m = 0; m < ROWS; m++)  // sum(u * xq) - 128 * sum(xq) = sum(q * xq)
-          for (int v = 0; v < NV; v++) isum[m][v] = isub(isum[m][v], 128 * in.xsum[m * nblocks + b]);
+        for (int m = 0; m < ROWS; m++)  // sum(q * xq)
+          for (int v = 0; v < NV; v++) isum[m][v] = unbias8u(isum[m][v], in.xsum[m * nblocks + b]);
     } else {
       static_assert(QT == Q4_1, "Q8_0 blocks take 8-bit inputs");
       for (int g = 0; g < QK / 8; g++) {
@@ -306,7 +326,7 @@ TileFn tile_for(int rows, std::integer_sequence<int, R...>) {
 
 template <int64_t QT, int XB>
 TileFn tile_of(int rows, int nv) {
-  if (nv == 4) return tile_for<QT, XB, 4>(rows, std::make_integer_sequence<int, 2>{});
+  if (nv == NV_WIDE) return tile_for<QT, XB, NV_WIDE>(rows, std::make_integer_sequence<int, WIDE_MR>{});
   if (nv == 2) return tile_for<QT, XB, 2>(rows, std::make_integer_sequence<int, MR>{});
   return tile_for<QT, XB, 1>(rows, std::make_integer_sequence<int, MR>{});
 }
@@ -389,14 +409,16 @@ at::Tensor quant_panel_linear(const at::Tensor& x, const at::Tensor& panels, con
 int64_t quant_panel_width() { return NB; }
 
 void quant_panel_set_tiling(int64_t wide_rows, int64_t prefetch) {
-  TORCH_CHECK(wide_rows >= 0 && wide_rows <= 2, "eagle::quant_panel_set_tiling: wide_rows must be 0, 1 or 2, got ",
-              wide_rows);
+  TORCH_CHECK(wide_rows >= 0 && wide_rows <= WIDE_MR, "eagle::quant_panel_set_tiling: wide_rows must be 0 to ",
+              WIDE_MR, " in this build, got ", wide_rows);
   TORCH_CHECK(prefetch >= 0 && prefetch % 64 == 0 && prefetch <= (1 << 20),
               "eagle::quant_panel_set_tiling: prefetch must be a multiple of 64 bytes in [0, 1 MiB], got ", prefetch);
   g_wide_rows.store(wide_rows), g_prefetch.store(prefetch);
 }
 
 std::vector<int64_t> quant_panel_tiling() { return {g_wide_rows.load(), g_prefetch.load()}; }
+
+int64_t quant_panel_wide_rows() { return WIDE_MR; }
 
 }  // namespace
 
@@ -405,6 +427,7 @@ TORCH_LIBRARY_FRAGMENT(eagle, m) {
   m.def("quant_panel_width() -> int");
   m.def("quant_panel_set_tiling(int wide_rows, int prefetch) -> ()");
   m.def("quant_panel_tiling() -> int[]");
+  m.def("quant_panel_wide_rows() -> int");
 }
 
 TORCH_LIBRARY_IMPL(eagle, CPU, m) { m.impl("quant_panel_linear", quant_panel_linear); }
@@ -412,4 +435,5 @@ TORCH_LIBRARY_IMPL(eagle, CompositeExplicitAutograd, m) {
   m.impl("quant_panel_width", quant_panel_width);
   m.impl("quant_panel_set_tiling", quant_panel_set_tiling);
   m.impl("quant_panel_tiling", quant_panel_tiling);
+  m.impl("quant_panel_wide_rows", quant_panel_wide_rows);
 }

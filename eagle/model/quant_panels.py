@@ -31,13 +31,26 @@ PERM8 = (0, 4, 1, 5, 2, 6, 3, 7)
 class Tiling(NamedTuple):
     """How the kernel's tiles cover the panels (speed only: every tiling gives the same bits)."""
 
-    wide_rows: int  # calls of up to this many rows (0, 1 or 2) take wide tiles (AVX-512: two panels, AVX2: one)
+    wide_rows: int  # calls of up to this many rows (0 to wide_rows()) take wide tiles (AVX-512: two panels, AVX2: one)
     prefetch: int  # bytes ahead of a tile's block that it prefetches into L1 (a multiple of 64)
 
 
-DEFAULT_TILING = Tiling(2, 16384)
-# What the tuner times on a machine (tuner.panel_tiling): which is fastest differs between CPUs and memory systems
-TILINGS = (DEFAULT_TILING, Tiling(0, 16384), Tiling(2, 4096), Tiling(0, 4096))
+def wide_rows() -> int:
+    """The most rows a wide tile holds in the kernel loaded here (2 with AVX-512, 4 with AVX2): needs
+    panel_kernel.available()."""
+    return torch.ops.eagle.quant_panel_wide_rows()
+
+
+def default_tiling() -> Tiling:
+    """The tiling of a process that has measured none: wide tiles wherever the build has them."""
+    return Tiling(wide_rows(), 16384)
+
+
+def tilings() -> tuple[Tiling, ...]:
+    """What the tuner times on a machine (tuner.panel_tiling), the default first: which is fastest differs between
+    CPUs and memory systems."""
+    wide = wide_rows()
+    return (Tiling(wide, 16384), Tiling(0, 16384), Tiling(wide, 4096), Tiling(0, 4096))
 
 
 def tiling() -> Tiling:

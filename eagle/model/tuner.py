@@ -247,15 +247,15 @@ def interleaved_ms(model, options, in_force, rows) -> dict:
 
 
 def panel_tiling(model, log=None) -> quant_panels.Tiling:
-    """The panel kernel's tiling (quant_panels.TILINGS) under which the base's forwards run fastest on this machine,
+    """The panel kernel's tiling (quant_panels.tilings()) under which the base's forwards run fastest on this machine,
     for a base whose linears read GGUF blocks: each tiling times a base forward over each of TILING_ROWS new tokens,
     in interleaved rounds (the fastest round counts), and the least total wins. Measured once per machine + model,
     cached; the tiling in force is left as it was."""
-    with quant_panels.tiled(quant_panels.DEFAULT_TILING):  # the cache's key names the tiling the measuring starts from
+    with quant_panels.tiled(quant_panels.default_tiling()):  # the cache's key names the tiling the measuring starts from
         path = _cache_path(model, "-tiling", head=False)
         saved = _load(path)
         if saved is None:
-            ms = interleaved_ms(model, quant_panels.TILINGS, quant_panels.tiled, TILING_ROWS)
+            ms = interleaved_ms(model, quant_panels.tilings(), quant_panels.tiled, TILING_ROWS)
             best = min(ms, key=lambda t: sum(ms[t].values()))
             saved = {"tiling": list(best), "ms": [[list(t), {str(n): v for n, v in ms[t].items()}] for t in ms]}
             _save(path, saved)
