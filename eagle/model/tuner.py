@@ -251,7 +251,7 @@ def panel_tiling(model, log=None) -> quant_panels.Tiling:
     for a base whose linears read GGUF blocks: each tiling times a base forward over each of TILING_ROWS new tokens,
     in interleaved rounds (the fastest round counts), and the least total wins. Measured once per machine + model,
     cached; the tiling in force is left as it was."""
-    with quant_panels.tiled(quant_panels.default_tiling()):  # the cache's key names the tiling the measuring starts from
+    with quant_panels.tiled(quant_panels.default_tiling()):  # the cache key names the tiling measuring starts from
         path = _cache_path(model, "-tiling", head=False)
         saved = _load(path)
         if saved is None:
