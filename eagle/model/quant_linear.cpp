@@ -70,7 +70,6 @@ static inline vi dot(vi acc, vi a, vi b) { return _mm512_dpwssd_epi32(acc, a, b)
 static inline vi dot8x2(vi acc, vi u0, vi s0, vi u1, vi s1) { return _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(acc, u0, s0), u1, s1); }
 static inline vi widen8(vi acc) { return acc; }
 static inline vi dot8u(vi acc, vi u, vi s) { return _mm512_dpbusd_epi32(acc, u, s); }
-static inline vi unbias8u(vi acc, int32_t xsum) { return _mm512_sub_epi32(acc, _mm512_set1_epi32(128 * xsum)); }
 #else
 static inline vi dot(vi acc, vi a, vi b) { return _mm512_add_epi32(acc, _mm512_madd_epi16(a, b)); }
 static inline vi dot8x2(vi acc, vi u0, vi s0, vi u1, vi s1) {
@@ -81,8 +80,8 @@ static inline vi dot8u(vi acc, vi u, vi s) {  // bytes 0, 2 then 1, 3 of each la
   const vi even = _mm512_madd_epi16(_mm512_and_si512(u, _mm512_set1_epi16(0x00FF)), _mm512_srai_epi16(_mm512_slli_epi16(s, 8), 8));
   return _mm512_add_epi32(_mm512_add_epi32(acc, even), _mm512_madd_epi16(_mm512_srli_epi16(u, 8), _mm512_srai_epi16(s, 8)));
 }
-static inline vi unbias8u(vi acc, int32_t xsum) { return _mm512_sub_epi32(acc, _mm512_set1_epi32(128 * xsum)); }
 #endif
+static inline vi unbias8u(vi acc, int32_t xsum) { return _mm512_sub_epi32(acc, _mm512_set1_epi32(128 * xsum)); }
 static inline vi izero() { return _mm512_setzero_si512(); }
 static inline vf tofloat(vi a) { return _mm512_cvtepi32_ps(a); }
 static inline vf fma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
@@ -194,9 +193,9 @@ constexpr int64_t block_bytes(int64_t qtype) { return qtype == Q4_1 ? 20 * NB : 
 // How the tiles cover the panels: wide tiles (NV_WIDE vectors of columns) for calls of up to `wide_rows` rows (0 to
 // WIDE_MR; tiles of more rows take one panel), and how far ahead (bytes) a tile prefetches its panels' blocks into L1
 // at each block (the hardware prefetcher alone left one row streaming below the machine's bandwidth; a prefetch past
-// the end never faults). Speed only: a
-// column's sums are the same operations in the same order whatever the tiling. Set once per process from a
-// measurement on the machine (eagle/model/tuner.py, panel_tiling); these defaults until then.
+// the end never faults). Speed only: a column's sums are the same operations in the same order whatever the tiling.
+// Set once per process from a measurement on the machine (eagle/model/tuner.py, panel_tiling); these defaults until
+// then.
 std::atomic<int64_t> g_wide_rows{WIDE_MR}, g_prefetch{16384};
 
 // The 8-bit products of a weight type over a group (two words of four bytes a lane): dot8x2 for Q4_1's nibbles
@@ -205,6 +204,13 @@ template <int64_t QT>
 static inline vi dot8_of(vi acc, vi u0, vi s0, vi u1, vi s1) {
   if constexpr (QT == Q4_1) return dot8x2(acc, u0, s0, u1, s1);
   else return dot8u(dot8u(acc, u0, s0), u1, s1);
+}
+
+// A block's 8-bit sum as int32 lanes of sum(q * xq), from dot8_of's running sum (xsum: the block's sum of xq)
+template <int64_t QT>
+static inline vi finish8_of(vi acc, int32_t xsum) {
+  if constexpr (QT == Q4_1) return widen8(acc);
+  else return unbias8u(acc, xsum);
 }
 
 // The rows' inputs as the kernel multiplies them: xq [M, K] int16 or int8, s, (Q4_1) sx [M, K / 32] float32 and
@@ -273,12 +279,8 @@ void tile(const Inputs& in, const uint8_t* panel, int64_t pstride, float* out, i
           for (int v = 0; v < NV; v++) isum[m][v] = dot8_of<QT>(isum[m][v], w[0][v], x0, w[1][v], x1);
         }
       }
-      if constexpr (QT == Q4_1)
-        for (int m = 0; m < ROWS; m++)
-          for (int v = 0; v < NV; v++) isum[m][v] = widen8(isum[m][v]);
-      if constexpr (QT == Q8_0)
-        for (int m = 0; m < ROWS; m++)  // sum(q * xq)
-          for (int v = 0; v < NV; v++) isum[m][v] = unbias8u(isum[m][v], in.xsum[m * nblocks + b]);
+      for (int m = 0; m < ROWS; m++)
+        for (int v = 0; v < NV; v++) isum[m][v] = finish8_of<QT>(isum[m][v], in.xsum[m * nblocks + b]);
     } else {
       static_assert(QT == Q4_1, "Q8_0 blocks take 8-bit inputs");
       for (int g = 0; g < QK / 8; g++) {

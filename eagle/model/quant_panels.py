@@ -49,8 +49,8 @@ def default_tiling() -> Tiling:
 def tilings() -> tuple[Tiling, ...]:
     """What the tuner times on a machine (tuner.panel_tiling), the default first: which is fastest differs between
     CPUs and memory systems."""
-    wide = wide_rows()
-    return (Tiling(wide, 16384), Tiling(0, 16384), Tiling(wide, 4096), Tiling(0, 4096))
+    default = default_tiling()
+    return (default, Tiling(0, 16384), Tiling(default.wide_rows, 4096), Tiling(0, 4096))
 
 
 def tiling() -> Tiling:
