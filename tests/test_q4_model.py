@@ -36,9 +36,9 @@ def test_the_layers_read_the_gguf_blocks_and_compute_what_float32_weights_do(tmp
             m.setitem(quant_panels.INPUT_BITS, quant_panels.Q4_1, 16)
             quantized16 = [base(ids[:, : n + 1]).logits for n in range(ids.shape[1])]
         layers = [m for m in base.modules() if type(m) is few_rows.FewRowLinear]
-        few_rows.set_plan(base, {1: "linear"})  # the copies freed, then made again of the float32 weights
         for layer in layers:
             layer.gguf = None
+        few_rows.set_plan(base, {1: "linear"})  # the copies freed, then made again of the float32 weights
         few_rows.set_plan(base, few_rows.uniform_plan("panel"))
         assert few_rows.weights_of(base) == "fp32"
         fp32 = [base(ids[:, : n + 1]).logits for n in range(ids.shape[1])]
@@ -87,6 +87,28 @@ def test_loading_puts_the_tiling_measured_fastest_here_in_force_measured_once(tm
         EaModel.from_pretrained(str(tmp_path / "base"), head, total_token=8, depth=3, top_k=4, few_row_kernels=plan,
                                 dtype=torch.float32)  # fmt: skip
         assert not timed and quant_panels.tiling() == quant_panels.default_tiling()
+
+
+@needs_kernel
+def test_a_few_row_plan_timed_all_f_linear_keeps_the_layers_on_their_gguf_blocks(tmp_path, monkeypatch):
+    """Where F.linear times fastest for every row count (a tiny model on a busy machine: CI saw it), the float32
+    layers take it, but the layers with GGUF blocks keep reading them: `--weights q4_1` stays the model asked for,
+    not its dequantized weights times unrounded inputs."""
+    monkeypatch.setenv("EAGLE_CACHE", str(tmp_path / "cache"))
+    base = quantized_tiny_base(tmp_path / "tiny.gguf")
+    save_base(base, str(tmp_path / "base"))
+    head = random_draft(base, str(tmp_path / "head"))
+    monkeypatch.setattr("eagle.model.ea_model.few_row_plan", lambda model, log=None: few_rows.uniform_plan("linear"))
+    monkeypatch.setattr("eagle.model.ea_model.panel_tiling", lambda model, log=None: quant_panels.default_tiling())
+    model = EaModel.from_pretrained(str(tmp_path / "base"), head, total_token=8, depth=3, top_k=4,
+                                    few_row_kernels="auto", dtype=torch.float32)  # fmt: skip
+    assert few_rows.plan_of(model.base_model) == few_rows.uniform_plan("linear")
+    assert few_rows.weights_of(model.base_model) == "q4_1 (14 layers), q8_0 (lm_head)"
+    ids = torch.tensor([PROMPTS[1]])
+    with torch.no_grad(), few_rows.few_row_kernels():
+        timed_linear = model.base_model(ids).logits
+        few_rows.set_plan(model.base_model, few_rows.uniform_plan("panel"))
+        assert torch.equal(model.base_model(ids).logits, timed_linear)
 
 
 @needs_kernel

@@ -132,7 +132,7 @@ class EaModel(nn.Module):
         if few_rows.plan_of(base) is not None:  # float32 CPU layers: the kernel per row count
             if few_row_kernels == "auto":
                 few_rows.set_plan(base, few_row_plan(model))
-            if set(few_rows.plan_of(base).values()) == {"linear"}:
+            if set(few_rows.plan_of(base).values()) == {"linear"} and not few_rows.reads_gguf_blocks(base):
                 few_rows.uninstall(base)
         if few_row_kernels == "auto" and few_rows.reads_gguf_blocks(base):  # the tiling timed fastest here
             quant_panels.set_tiling(panel_tiling(model, log))

@@ -241,29 +241,35 @@ def set_plan(model: nn.Module, plan: dict[int, str]) -> dict[int, str]:
     for kernel, attr in COPIES.items():
         if kernel in plan.values() and not (kernel in usable and _copy_fits(layers, attr)):
             plan = {rows: "linear" if k == kernel else k for rows, k in plan.items()}
-    if "panel" in plan.values():
-        _share_sibling_panels(model)
+
+    def needs(layer: FewRowLinear, kernel: str) -> bool:
+        # A layer with GGUF blocks keeps their panels whatever the plan (its forward reads them at every row count):
+        # without them it would multiply the dequantized weights by unrounded inputs, another model.
+        return kernel in plan.values() or (kernel == "panel" and layer.gguf is not None and "panel" in usable)
+
+    _share_sibling_panels(model, lambda layer: needs(layer, "panel"))
     for layer in layers:  # copies made before the plan names them, freed after it stops naming them
         for kernel, attr in COPIES.items():
-            if kernel in plan.values() and getattr(layer, attr) is None:
+            if needs(layer, kernel) and getattr(layer, attr) is None:
                 setattr(layer, attr, _copy(kernel, layer))
         layer.plan = plan
         for kernel, attr in COPIES.items():
-            if kernel not in plan.values():
+            if not needs(layer, kernel):
                 setattr(layer, attr, None)
-        if "panel" not in plan.values():
+        if not needs(layer, "panel"):
             layer.siblings = None
     return plan
 
 
 @torch.no_grad()
-def _share_sibling_panels(model: nn.Module) -> None:
+def _share_sibling_panels(model: nn.Module, wanted) -> None:
     """Panels of each group of SIBLINGS made as one tensor, the siblings' own one after another, where every sibling
-    is a few-row layer without panels yet, all read the same input width and all or none have a bias."""
+    is a few-row layer without panels yet that `wanted(layer)` asks panels for, all read the same input width and
+    all or none have a bias."""
     for parent in model.modules():
         for names in SIBLINGS:
             layers = [getattr(parent, name, None) for name in names]
-            if not all(type(layer) is FewRowLinear and layer.panels is None for layer in layers):
+            if not all(type(layer) is FewRowLinear and layer.panels is None and wanted(layer) for layer in layers):
                 continue
             if len({layer.in_features for layer in layers}) > 1 or len({layer.bias is None for layer in layers}) > 1:
                 continue
