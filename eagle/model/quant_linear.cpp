@@ -49,6 +49,13 @@ constexpr int QK = 32;                 // weights per block
 // PERM8 = (0, 4, 1, 5, 2, 6, 3, 7): the order of a group's 8 inputs (8-bit) that matches the nibbles of its Q4_1
 // weight word as bytes: (word & 0x0F0F0F0F) holds q[k], q[k + 4], q[k + 1], q[k + 5] and (word >> 4) & 0x0F0F0F0F
 // q[k + 2], q[k + 6], q[k + 3], q[k + 7].
+// A running sum as the program orders it: integer vector adds are associative, and GCC would otherwise turn a
+// block's unrolled adds into one tree over all its products, live at once (spilled: 16 registers on AVX2).
+template <typename V>
+static inline V in_order(V a) {
+  __asm__("" : "+v"(a));
+  return a;
+}
 
 #ifdef __AVX512F__
 constexpr int VL = 16;
@@ -71,14 +78,14 @@ static inline vi dot8x2(vi acc, vi u0, vi s0, vi u1, vi s1) { return _mm512_dpbu
 static inline vi widen8(vi acc) { return acc; }
 static inline vi dot8u(vi acc, vi u, vi s) { return _mm512_dpbusd_epi32(acc, u, s); }
 #else
-static inline vi dot(vi acc, vi a, vi b) { return _mm512_add_epi32(acc, _mm512_madd_epi16(a, b)); }
+static inline vi dot(vi acc, vi a, vi b) { return in_order(_mm512_add_epi32(acc, _mm512_madd_epi16(a, b))); }
 static inline vi dot8x2(vi acc, vi u0, vi s0, vi u1, vi s1) {
-  return _mm512_add_epi16(acc, _mm512_add_epi16(_mm512_maddubs_epi16(u0, s0), _mm512_maddubs_epi16(u1, s1)));
+  return in_order(_mm512_add_epi16(acc, _mm512_add_epi16(_mm512_maddubs_epi16(u0, s0), _mm512_maddubs_epi16(u1, s1))));
 }
 static inline vi widen8(vi acc) { return _mm512_madd_epi16(acc, _mm512_set1_epi16(1)); }
 static inline vi dot8u(vi acc, vi u, vi s) {  // bytes 0, 2 then 1, 3 of each lane widened to 16 bits
   const vi even = _mm512_madd_epi16(_mm512_and_si512(u, _mm512_set1_epi16(0x00FF)), _mm512_srai_epi16(_mm512_slli_epi16(s, 8), 8));
-  return _mm512_add_epi32(_mm512_add_epi32(acc, even), _mm512_madd_epi16(_mm512_srli_epi16(u, 8), _mm512_srai_epi16(s, 8)));
+  return in_order(_mm512_add_epi32(_mm512_add_epi32(acc, even), _mm512_madd_epi16(_mm512_srli_epi16(u, 8), _mm512_srai_epi16(s, 8))));
 }
 #endif
 static inline vi unbias8u(vi acc, int32_t xsum) { return _mm512_sub_epi32(acc, _mm512_set1_epi32(128 * xsum)); }
@@ -135,15 +142,15 @@ static inline vi widen8(vi acc) { return acc; }
 static inline vi dot8u(vi acc, vi u, vi s) { return _mm256_dpbusd_avx_epi32(acc, u, s); }
 static inline vi unbias8u(vi acc, int32_t xsum) { return _mm256_sub_epi32(acc, _mm256_set1_epi32(128 * xsum)); }
 #else
-static inline vi dot(vi acc, vi a, vi b) { return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b)); }
+static inline vi dot(vi acc, vi a, vi b) { return in_order(_mm256_add_epi32(acc, _mm256_madd_epi16(a, b))); }
 static inline vi dot8x2(vi acc, vi u0, vi s0, vi u1, vi s1) {
-  return _mm256_add_epi16(acc, _mm256_add_epi16(_mm256_maddubs_epi16(u0, s0), _mm256_maddubs_epi16(u1, s1)));
+  return in_order(_mm256_add_epi16(acc, _mm256_add_epi16(_mm256_maddubs_epi16(u0, s0), _mm256_maddubs_epi16(u1, s1))));
 }
 static inline vi widen8(vi acc) { return _mm256_madd_epi16(acc, _mm256_set1_epi16(1)); }
 static inline vi dot8u(vi acc, vi u, vi s) {  // q = u ^ 0x80 as int8; |q| * (s signed as q) = q * s
   const vi q = _mm256_xor_si256(u, _mm256_set1_epi8(-128));
   const vi pairs = _mm256_maddubs_epi16(_mm256_abs_epi8(q), _mm256_sign_epi8(s, q));
-  return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+  return in_order(_mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1))));
 }
 static inline vi unbias8u(vi acc, int32_t) { return acc; }  // dot8u summed q * s
 #endif
@@ -213,8 +220,9 @@ static inline vi finish8_of(vi acc, int32_t xsum) {
   else return unbias8u(acc, xsum);
 }
 
-// The rows' inputs as the kernel multiplies them: xq [M, K] int16 or int8, s, (Q4_1) sx [M, K / 32] float32 and
-// (8-bit) xsum [M, K / 32] int32.
+// The rows' inputs as the kernel multiplies them, block-major (a block's rows side by side, so a tile reaches each
+// row's inputs at a constant offset from one pointer): xq [K / 32, M, 32] int16 or int8, s, (Q4_1) sx [K / 32, M]
+// float32 and (8-bit) xsum [K / 32, M] int32. A tile's view starts at its first row; `stride` = M.
 struct Inputs {
   const int16_t* xq;     // 16-bit inputs, or
   const int8_t* xq8;     // 8-bit inputs, each group of 8 k in the order of PERM8
@@ -222,21 +230,26 @@ struct Inputs {
   const float* sx;
   const int32_t* xsum;  // sum(xq) of a block (8-bit)
   int64_t K;
+  int64_t stride;    // rows between one block's inputs and the next's (M)
   int64_t prefetch;  // bytes ahead (the tiling's)
 };
 
-// x [M, K] float32 -> xq (int16, or int8 in PERM8's order), s, sx, xsum (see the file's head): per row and block,
-// s = max |x| / L, xq = round-to-nearest-even(x * (L / max |x|)) (0 where the block is 0), xsum = sum(xq),
-// sx = s * xsum.
+// x [M, K] float32 -> xq (int16, or int8 in PERM8's order), s, sx, xsum, block-major (Inputs; see the file's head):
+// per row and block, s = max |x| / L, xq = round-to-nearest-even(x * (L / max |x|)) (0 where the block is 0),
+// xsum = sum(xq), sx = s * xsum.
 template <int XB>
 void quantize_rows(const float* x, int64_t M, int64_t K, void* xq, float* s, float* sx, int32_t* xsum) {
   constexpr float L = XB == 16 ? 32767.f : 127.f;
-  for (int64_t i = 0; i < M * (K / QK); i++) {  // block i of all rows: at x + i * 32
-    const float amax = block_amax(x + i * QK), inv = amax > 0.f ? L / amax : 0.f;
-    const int32_t isum = XB == 16 ? round16(x + i * QK, inv, static_cast<int16_t*>(xq) + i * QK)
-                                  : round8(x + i * QK, inv, static_cast<int8_t*>(xq) + i * QK);
-    s[i] = amax / L, sx[i] = s[i] * static_cast<float>(isum), xsum[i] = isum;
-  }
+  const int64_t nblocks = K / QK;
+  for (int64_t m = 0; m < M; m++)
+    for (int64_t b = 0; b < nblocks; b++) {
+      const float* xb = x + m * K + b * QK;
+      const int64_t i = b * M + m;  // the block's place in the outputs
+      const float amax = block_amax(xb), inv = amax > 0.f ? L / amax : 0.f;
+      const int32_t isum = XB == 16 ? round16(xb, inv, static_cast<int16_t*>(xq) + i * QK)
+                                    : round8(xb, inv, static_cast<int8_t*>(xq) + i * QK);
+      s[i] = amax / L, sx[i] = s[i] * static_cast<float>(isum), xsum[i] = isum;
+    }
 }
 
 // ROWS x (NV * VL) outputs of consecutive panels (panel stride `pstride` bytes) from the h0-th vector of columns
@@ -256,12 +269,13 @@ void tile(const Inputs& in, const uint8_t* panel, int64_t pstride, float* out, i
     const uint8_t* blk[NV];  // the block of vector v's panel, and the vector's offset in it (columns)
     int col[NV];
     for (int v = 0; v < NV; v++) blk[v] = panel + ((h0 + v) / 2) * pstride + b * BS, col[v] = ((h0 + v) % 2) * VL;
-    const int16_t* xb = in.xq + b * QK;
+    const int64_t bi = b * in.stride;  // the block's first row in s, sx, xsum; times 32 in xq
+    const int16_t* xb = in.xq + bi * QK;
     vi isum[ROWS][NV];
     for (int m = 0; m < ROWS; m++)
       for (int v = 0; v < NV; v++) isum[m][v] = izero();
     if constexpr (XB == 8) {  // four bytes a lane in PERM8's order: Q4_1's nibbles, or Q8_0's u = q + 128
-      const int8_t* xb8 = in.xq8 + b * QK;
+      const int8_t* xb8 = in.xq8 + bi * QK;
 #pragma GCC unroll 4
       for (int g = 0; g < QK / 8; g++) {
         vi w[2][NV];
@@ -275,12 +289,12 @@ void tile(const Inputs& in, const uint8_t* panel, int64_t pstride, float* out, i
         }
 #pragma GCC unroll 8
         for (int m = 0; m < ROWS; m++) {
-          const vi x0 = bcast32(xb8 + m * K + 8 * g), x1 = bcast32(xb8 + m * K + 8 * g + 4);
+          const vi x0 = bcast32(xb8 + m * QK + 8 * g), x1 = bcast32(xb8 + m * QK + 8 * g + 4);
           for (int v = 0; v < NV; v++) isum[m][v] = dot8_of<QT>(isum[m][v], w[0][v], x0, w[1][v], x1);
         }
       }
       for (int m = 0; m < ROWS; m++)
-        for (int v = 0; v < NV; v++) isum[m][v] = finish8_of<QT>(isum[m][v], in.xsum[m * nblocks + b]);
+        for (int v = 0; v < NV; v++) isum[m][v] = finish8_of<QT>(isum[m][v], in.xsum[bi + m]);
     } else {
       static_assert(QT == Q4_1, "Q8_0 blocks take 8-bit inputs");
       for (int g = 0; g < QK / 8; g++) {
@@ -292,7 +306,7 @@ void tile(const Inputs& in, const uint8_t* panel, int64_t pstride, float* out, i
           for (int v = 0; v < NV; v++) w[v] = nibble_pairs(words[v], p);
 #pragma GCC unroll 8
           for (int m = 0; m < ROWS; m++) {
-            const vi xp = bcast32(xb + m * K + 8 * g + 2 * p);
+            const vi xp = bcast32(xb + m * QK + 8 * g + 2 * p);
             for (int v = 0; v < NV; v++) isum[m][v] = dot(isum[m][v], w[v], xp);
           }
         }
@@ -300,10 +314,10 @@ void tile(const Inputs& in, const uint8_t* panel, int64_t pstride, float* out, i
     }
     for (int v = 0; v < NV; v++) {
       const vf d = from_fp16(reinterpret_cast<const uint16_t*>(blk[v]) + col[v]);
-      for (int m = 0; m < ROWS; m++) acc[m][v] = fma(mul(tofloat(isum[m][v]), bcast(in.s[m * nblocks + b])), d, acc[m][v]);
+      for (int m = 0; m < ROWS; m++) acc[m][v] = fma(mul(tofloat(isum[m][v]), bcast(in.s[bi + m])), d, acc[m][v]);
       if constexpr (QT == Q4_1) {
         const vf mn = from_fp16(reinterpret_cast<const uint16_t*>(blk[v] + 2 * NB) + col[v]);
-        for (int m = 0; m < ROWS; m++) acc[m][v] = fma(bcast(in.sx[m * nblocks + b]), mn, acc[m][v]);
+        for (int m = 0; m < ROWS; m++) acc[m][v] = fma(bcast(in.sx[bi + m]), mn, acc[m][v]);
       }
     }
   }
@@ -336,7 +350,7 @@ TileFn tile_of(int rows, int nv) {
 template <int64_t QT, int XB>
 void run(const Inputs& in, int64_t M, const uint8_t* wp, int64_t P, int64_t N, const float* bp, float* op) {
   if (M == 0) return;
-  const int64_t pstride = in.K / QK * block_bytes(QT), nblocks = in.K / QK;
+  const int64_t pstride = in.K / QK * block_bytes(QT);
   const int64_t wide_rows = g_wide_rows.load(std::memory_order_relaxed);
   const auto nv_for = [wide_rows](int64_t rows) { return rows <= wide_rows ? NV_WIDE : NV_ONE; };
   const int nv_all = nv_for(std::min<int64_t>(MR, M));
@@ -349,8 +363,8 @@ void run(const Inputs& in, int64_t M, const uint8_t* wp, int64_t P, int64_t N, c
         const int rows = static_cast<int>(std::min<int64_t>(MR, M - m0));
         const int nv = std::min(nv_for(rows), 2 * np);  // vectors of columns a tile covers
         const TileFn fn = tile_of<QT, XB>(rows, nv);
-        const Inputs rows_in{XB == 16 ? in.xq + m0 * in.K : nullptr, XB == 8 ? in.xq8 + m0 * in.K : nullptr,
-                             in.s + m0 * nblocks, in.sx + m0 * nblocks, in.xsum + m0 * nblocks, in.K, in.prefetch};
+        const Inputs rows_in{XB == 16 ? in.xq + m0 * QK : nullptr, XB == 8 ? in.xq8 + m0 * QK : nullptr,
+                             in.s + m0, in.sx + m0, in.xsum + m0, in.K, in.stride, in.prefetch};
         for (int h0 = 0; h0 < 2 * np && h0 * VL < pcols; h0 += nv)
           fn(rows_in, panel, pstride, op + m0 * N + p * NB + h0 * VL, N, bp ? bp + p * NB + h0 * VL : nullptr,
              std::min(nv * VL, pcols - h0 * VL), h0);
@@ -397,12 +411,12 @@ at::Tensor quant_panel_linear(const at::Tensor& x, const at::Tensor& panels, con
   if (input_bits == 8) {
     std::vector<int8_t> xq(M * K);
     quantize_rows<8>(xc.data_ptr<float>(), M, K, xq.data(), s.data(), sx.data(), xsum.data());
-    const Inputs in{nullptr, xq.data(), s.data(), sx.data(), xsum.data(), K, prefetch};
+    const Inputs in{nullptr, xq.data(), s.data(), sx.data(), xsum.data(), K, M, prefetch};
     (qtype == Q4_1 ? run<Q4_1, 8> : run<Q8_0, 8>)(in, M, wp, panels.size(0), N, bp, op);
   } else {
     std::vector<int16_t> xq(M * K);
     quantize_rows<16>(xc.data_ptr<float>(), M, K, xq.data(), s.data(), sx.data(), xsum.data());
-    const Inputs in{xq.data(), nullptr, s.data(), sx.data(), xsum.data(), K, prefetch};
+    const Inputs in{xq.data(), nullptr, s.data(), sx.data(), xsum.data(), K, M, prefetch};
     run<Q4_1, 16>(in, M, wp, panels.size(0), N, bp, op);
   }
   return out;
