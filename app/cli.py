@@ -156,7 +156,7 @@ def start_compiled_rounds(engine, loaded, mode: str, log=lambda line: print(f"[c
     processes (minutes the first time) and brought in by the idle work (app/idle_work.py)."""
     from eagle.model.tuner import compile_rounds
 
-    from .idle_work import compiled_rounds, first_stage, saved_verdict
+    from .idle_work import compiled_rounds, first_stage, first_tree, saved_verdict
     from .precompile import ChildCompile, compiled_before
 
     if mode == "off":
@@ -172,7 +172,7 @@ def start_compiled_rounds(engine, loaded, mode: str, log=lambda line: print(f"[c
     if mode == "auto" and verdict is not None and not verdict["compiled_pays"]:
         engine.status = "eager: compiled forwards measured slower here before (--compile on to use them anyway)"
         return
-    first = first_stage(spec, loaded.model.tree)  # what compiled rounds need; the rest after they are in use
+    first = first_stage(spec, first_tree(loaded.model))  # what compiled rounds need; the rest after they are in use
     if not compiled_before(first):
         log(f"compiling {len(first.graphs())} graphs in child processes, stopped whenever the model decodes or "
             f"measures")  # fmt: skip

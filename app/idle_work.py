@@ -200,11 +200,26 @@ def _load_each(child, graphs, load, log, purpose: str = "") -> Iterator[Loading 
     yield from awaiting(child)
 
 
+# The first compiled rounds' tree where the tree is tuned (the head has an acceptance profile): the tree in use was
+# tuned on eager forwards, whose per-forward constant (the graphs take it away) favours big trees, 8 nodes where
+# compiled rounds pay for 4 on a Zen 3 (BENCHMARKS.md, session 56). This small tree serves until the tree tuned on the
+# graphs' own costs comes in (`tuned_rounds`).
+FIRST_TREE = (4, 2, 1)  # (total_token, depth, top_k)
+
+
+def first_tree(model):
+    """The tree of the first compiled rounds for `model`: FIRST_TREE where its tree is tuned later, else its own."""
+    tree = model.tree
+    if model.acceptance is None or tree.choices:
+        return tree
+    return replace(tree, total_token=FIRST_TREE[0], depth=FIRST_TREE[1], top_k=FIRST_TREE[2])
+
+
 def first_stage(spec, tree):
-    """The graphs compiled first: what replies need to run on compiled rounds with `tree` (the tree in use), the
-    base's one-row step and the greedy round's two steps; the base's wider buckets, the head's steps and the tree
-    tuned on their costs come after (`tuned_rounds`). A static tree (no round steps) or a spec that names its round:
-    the whole spec."""
+    """The graphs compiled first: what replies need to run on compiled rounds with `tree` (`first_tree`), the base's
+    one-row step and the greedy round's two steps; the base's wider buckets, the head's steps and the tree tuned on
+    their costs come after (`tuned_rounds`). A static tree (no round steps) or a spec that names its round: the whole
+    spec."""
     if tree.choices or spec.round_tree is not None:
         return spec
     return replace(spec, base_buckets=spec.base_buckets[:1], draft_buckets=(),
@@ -212,7 +227,7 @@ def first_stage(spec, tree):
 
 
 def compiled_rounds(engine, child, spec, mode: str, log) -> Iterator[str | Loading | Wait]:
-    """Wait for `child` (a ChildCompile of `first_stage(spec, model.tree)`, or None when those graphs are in the
+    """Wait for `child` (a ChildCompile of `first_stage(spec, first_tree(model))`, or None when those graphs are in the
     cache already), load its graphs from the cache a graph a unit, decide (mode "auto": only where compiled forwards
     measure faster, idle and stable), time vanilla decoding with them and put them in use together; then the rest of
     `spec` and the tree tuned on it (`tuned_rounds`), and the round with context chains (`context_rounds`)."""
@@ -221,7 +236,8 @@ def compiled_rounds(engine, child, spec, mode: str, log) -> Iterator[str | Loadi
     from .precompile import ROUND_STEPS, load_compiled_head, round_graphs
 
     model = engine.model
-    first = first_stage(spec, model.tree)
+    tree = first_tree(model)
+    first = first_stage(spec, tree)
     made = {}  # the graphs' runners and the head, made at the first load, in its unit (it reads the checkpoint)
 
     def load(kind: str, rows: int) -> float:
@@ -281,6 +297,8 @@ def compiled_rounds(engine, child, spec, mode: str, log) -> Iterator[str | Loadi
     yield from vanilla_reference(engine, "compiled", lambda: rounds_in_use(model, base_graphs, head, draft_graphs))
     yield "putting the compiled rounds in use"
     model.base.compiled, model.ea_layer, model.compiled_draft = base_graphs, head, draft_graphs
+    if first.round_tree == (tree.total_token, tree.depth, tree.top_k) and tree != model.tree:
+        model.tree, model.tree_choice = tree, None  # no prediction for it: the tuned tree brings its own
     came = _said(_put_in_use(engine, rounds), log)
     engine.compiled_in_use()
     log("compiled rounds in use")

@@ -56,6 +56,21 @@ def tokens(engine, ids, **kw):
     return [t for r in engine.rounds(ids, max_new_tokens=24, **kw) for t in r.tokens]
 
 
+def test_a_tuned_tree_starts_compiled_rounds_on_the_small_first_tree_and_a_given_tree_on_itself(tmp_path):
+    """The tree tuned at load timed eager forwards (big trees win there): the first compiled round is FIRST_TREE's,
+    which the tree tuned on the graphs' costs replaces later; a tree not tuned (no acceptance profile) is its own."""
+    engine = tiny_engine(str(tmp_path))
+    model, spec = engine.model, spec_of(engine, str(tmp_path))
+    model.tree = replace(model.tree, total_token=8, depth=1, top_k=3)  # as the eager timings picked on a Zen 3
+    assert model.acceptance is None and idle_work.first_tree(model) == model.tree
+    model.acceptance = [[0.6, 0.2, 0.1]] * 3
+    first = idle_work.first_tree(model)
+    assert (first.total_token, first.depth, first.top_k) == idle_work.FIRST_TREE != (8, 1, 3)
+    assert first_stage(spec, first).round_tree == idle_work.FIRST_TREE
+    model.tree = static = replace(model.tree, choices=((0,), (0, 0)))  # an EAGLE-1 static tree: no round steps
+    assert idle_work.first_tree(model) == static
+
+
 @pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="reads process states from /proc")
 def test_children_compile_only_while_the_model_is_idle_and_the_graphs_change_no_reply(own_cache, tmp_path,
                                                                                      monkeypatch):
