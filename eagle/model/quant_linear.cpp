@@ -259,7 +259,7 @@ void tile(const Inputs& in, const uint8_t* panel, int64_t pstride, float* out, i
           int ncols, int h0) {
   constexpr int NP = (NV + 1) / 2;  // panels read (at h0 = 0)
   constexpr int64_t BS = block_bytes(QT);
-  const int64_t K = in.K, nblocks = K / QK;
+  const int64_t nblocks = in.K / QK;
   vf acc[ROWS][NV];
   for (int m = 0; m < ROWS; m++)
     for (int v = 0; v < NV; v++) acc[m][v] = zero();
