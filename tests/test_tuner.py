@@ -59,11 +59,40 @@ def test_pick_follows_the_cost_shape():
     flat = {n: 0.020 for n in tuner.SIZES}  # a GPU: verifying 60 rows costs what 4 do
     steep = {n: 0.020 * (1 + 0.25 * (n - 1)) for n in tuner.SIZES}  # a small CPU: each row costs a quarter step
     big, small = pick_tree(accept, flat, draft), pick_tree(accept, steep, draft)
-    assert big.total_token == 60 and small.total_token == 4
+    # steep: 3 nodes (a chain of two, 1.96 tokens for 0.0311 s) beat 2 (1.6 for 0.0261) and 4 (1.96 for 0.0372)
+    assert big.total_token == 60 and (small.total_token, small.depth, small.top_k) == (3, 1, 1)
     for choice, verify in ((big, flat), (small, steep)):  # the best of the whole grid, and its figures add up
         assert choice.tokens_per_s == max(expected_tau(accept, n, d, k) / (verify[n] + s)
                                           for n in verify for (d, k), s in draft.items())  # fmt: skip
         assert choice.tokens_per_s == pytest.approx(choice.tau / choice.seconds)
+
+
+def test_the_two_node_tree_is_priced_by_its_draft_phase_without_expansion():
+    """A 2-node tree drafts the root's best child and expands nothing: its phase is (0, 1), which prices it alone;
+    with deeper phases dearer, a machine whose every verify row costs a lot picks it."""
+    accept = [[0.6, 0.15, 0.05]] * 4
+    draft = {(0, 1): 0.0005, **{(d, k): 0.003 * d * (1 + 0.1 * k) for d in range(1, 4) for k in (1, 2, 3)}}
+    steep = {n: 0.010 * (1 + 0.5 * (n - 1)) for n in tuner.SIZES}  # each row half a step
+    choice = pick_tree(accept, steep, draft)
+    assert (choice.total_token, choice.depth, choice.top_k) == (2, 1, 1)  # a TreeSpec of depth 1 expands nothing
+    assert choice.tau == pytest.approx(1.6) and choice.seconds == pytest.approx(0.015 + 0.0005)
+    flat = {n: 0.010 for n in tuner.SIZES}  # the root-only phase never prices a larger tree
+    assert pick_tree(accept, flat, draft).total_token > 2
+    assert pick_tree(accept, {n: 0.010 for n in (4, 8)}, draft).seconds > 0.010 + 0.0005
+
+
+def test_verify_sizes_interpolate_the_sizes_a_compiled_forward_pads_into_a_larger_graph():
+    from eagle.model.compiled import bucket_for
+
+    rows = sorted({1, *tuner.SIZES})
+    # compiled graphs of 1/4/8/16 rows: a pass of n rows costs its graph's (padded); past 16 rows, eager
+    padded = {n: 0.001 * (bucket_for(n) or n) for n in rows}
+    verify = tuner.verify_sizes(padded, bucket_for)
+    assert set(verify) == set(tuner.SIZES)  # 1 (the vanilla step) only anchors the line
+    assert verify[2] == pytest.approx(0.002) and verify[3] == pytest.approx(0.003)  # between 1 and 4 rows
+    assert verify[6] == pytest.approx(0.006) and verify[12] == pytest.approx(0.012)
+    assert all(verify[n] == padded[n] for n in (4, 8, 16, 24, 60))  # timed at their own rows
+    assert tuner.verify_sizes(padded) == {n: padded[n] for n in tuner.SIZES}  # eager: every size as timed
 
 
 @pytest.fixture()
@@ -125,7 +154,7 @@ def test_verify_costs_are_measured_once_for_heads_of_two_dtypes_and_draft_costs_
         head_and_graphs[0].dtype_name) or {(d, k): 1e-3 * d * k for d in depths for k in top_ks})  # fmt: skip
     accept = [[0.6, 0.2], [0.5, 0.2], [0.4, 0.2]]
     tuner.tune(model, accept)
-    shapes = len(accept) * len(tuner.TOP_KS)
+    shapes = 1 + len(accept) * len(tuner.TOP_KS)  # the 2-node tree's phase, then every depth and width
     # both dtypes in one sitting, shape by shape in turn
     assert verify_calls == [1] and draft_dtypes == ["float32", "bfloat16"] * shapes
     tuner.tune(model, accept)  # everything from the cache now

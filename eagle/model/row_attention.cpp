@@ -170,26 +170,42 @@ static inline vec block_dots(const float* q, Row row, int64_t c0) {
 #endif
 }
 
-// out + h * ostride = sum_c p[h * pstride + c] row(c) in c order for the query heads of one key/value head at once,
-// D = NV * VL: each key's value row loaded once for them all, each head's NV vectors of sums in registers (heads in
-// register blocks of 16 / NV).
+// out + h * ostride = sum_c p[h * pstride + c] row(c)[d0 * VL ..] in c order for HC heads and NB of the D / VL
+// vectors: each key's NB value vectors loaded once for the HC heads, the HC * NB sums in registers (both counts known
+// at compile time, so that no sum lives on the stack).
+template <int NB, int HC, class Row>
+static inline void weighted_block(const float* p, int64_t pstride, Row row, int64_t n, int d0, float* out,
+                                  int64_t ostride) {
+  vec acc[HC][NB] = {};
+  for (int64_t c = 0; c < n; c++) {
+    const float* vj = row(c) + d0 * VL;
+    vec vv[NB];
+    for (int i = 0; i < NB; i++) vv[i] = loadu(vj + i * VL);
+    for (int hh = 0; hh < HC; hh++) {
+      const vec ph = splat(p[hh * pstride + c]);
+      for (int i = 0; i < NB; i++) acc[hh][i] = fmadd(ph, vv[i], acc[hh][i]);
+    }
+  }
+  for (int hh = 0; hh < HC; hh++)
+    for (int i = 0; i < NB; i++) storeu(out + hh * ostride + (d0 + i) * VL, acc[hh][i]);
+}
+
+// weighted_block over the query heads of one key/value head (D = NV * VL) in blocks of at most CH heads by NB
+// vectors: CH * NB sums, NB values and a splat fit AVX2's 16 registers or AVX-512's 32. Every output value is the
+// same sum in c order whatever the blocks.
 template <int NV, class Row>
 void weighted_sums(const float* p, int64_t pstride, int64_t heads, Row row, int64_t n, float* out, int64_t ostride) {
-  constexpr int CH = 16 / NV;
+  constexpr int NB = NV < 4 ? NV : 4;
+  constexpr int CH = std::min(4, ((VL == 16 ? 32 : 16) - 1 - NB) / NB);
   for (int64_t h0 = 0; h0 < heads; h0 += CH) {
-    const int hc = static_cast<int>(std::min<int64_t>(CH, heads - h0));
-    vec acc[CH][NV] = {};
-    for (int64_t c = 0; c < n; c++) {
-      const float* vj = row(c);
-      vec vv[NV];
-      for (int i = 0; i < NV; i++) vv[i] = loadu(vj + i * VL);
-      for (int hh = 0; hh < hc; hh++) {
-        const vec ph = splat(p[(h0 + hh) * pstride + c]);
-        for (int i = 0; i < NV; i++) acc[hh][i] = fmadd(ph, vv[i], acc[hh][i]);
+    const float* ph = p + h0 * pstride;
+    float* oh = out + h0 * ostride;
+    for (int d0 = 0; d0 < NV; d0 += NB) switch (std::min<int64_t>(CH, heads - h0)) {
+        case 1: weighted_block<NB, 1>(ph, pstride, row, n, d0, oh, ostride); break;
+        case 2: weighted_block<NB, 2>(ph, pstride, row, n, d0, oh, ostride); break;
+        case 3: if constexpr (CH >= 3) weighted_block<NB, 3>(ph, pstride, row, n, d0, oh, ostride); break;
+        default: if constexpr (CH >= 4) weighted_block<NB, 4>(ph, pstride, row, n, d0, oh, ostride); break;
       }
-    }
-    for (int hh = 0; hh < hc; hh++)
-      for (int i = 0; i < NV; i++) storeu(out + (h0 + hh) * ostride + i * VL, acc[hh][i]);
   }
 }
 

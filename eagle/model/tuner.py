@@ -9,8 +9,9 @@ round, where
   A node's chance of being accepted is the product of accept[d][r] along its path, so the expected accepted
   drafts are the sum of the chosen nodes' chances (nodes are ranked by that chance, as the drafter ranks them by
   its own probabilities);
-- seconds per round are measured here: one verify pass over n rows (`BaseModel.pass_seconds`) plus one draft
-  phase of depth D and width K (commit the accepted tokens, grow the tree: `draft_seconds`).
+- seconds per round are measured here: one verify pass over n rows (`BaseModel.pass_seconds`; with compiled
+  forwards, sizes between their graphs' row counts interpolated: `verify_sizes`) plus one draft phase of depth D
+  and width K (commit the accepted tokens, grow the tree: `draft_seconds`; the 2-node tree's without expansion).
 Measurements are cached per machine, threads, model and head (`cache_dir()/tuner`), so a second start is instant.
 """
 
@@ -28,7 +29,7 @@ from . import few_rows, panel_kernel, quant_panels
 from .context_draft import CHAINS, pick_chains
 from .timing import repeated_seconds
 
-SIZES = (4, 6, 8, 12, 16, 24, 32, 40, 48, 60)
+SIZES = (2, 3, 4, 6, 8, 12, 16, 24, 32, 40, 48, 60)
 TOP_KS = (1, 2, 3, 4, 6, 8, 10)
 
 
@@ -60,12 +61,17 @@ def expected_tau(accept: list[list[float]], total_token: int, depth: int, top_k:
 def pick_tree(
     accept: list[list[float]], verify_s: dict[int, float], draft_s: dict[tuple[int, int], float]
 ) -> TreeChoice:
-    """The tree of the best expected tokens/s over the measured sizes, depths and widths."""
+    """The tree of the best expected tokens/s over the measured sizes, depths and widths. draft_s[(d, k)]: a draft
+    phase of d expansion levels of width k; d = 0 (the root's best child alone, no expansion) prices the 2-node tree,
+    and only it, where measured (a 2-node tree never expands, so the costs of deeper phases would overstate it)."""
+    root_only = any(d == 0 for d, _ in draft_s)
     best = None
     for n, v in verify_s.items():
         for (depth, k), d in draft_s.items():
+            if root_only and (depth == 0) != (n == 2):
+                continue
             tau = expected_tau(accept, n, depth, k)
-            choice = TreeChoice(n, depth, k, tau, v + d, tau / (v + d))
+            choice = TreeChoice(n, max(depth, 1), k, tau, v + d, tau / (v + d))  # a TreeSpec's depth is >= 1
             if best is None or choice.tokens_per_s > best.tokens_per_s:
                 best = choice
     return best
@@ -75,8 +81,9 @@ def pick_tree(
 def draft_seconds(
     model, depths, top_ks, context: int = 256, repeats: int = 5, head_and_graphs: tuple | None = None
 ) -> dict[tuple[int, int], float]:
-    """Median seconds of one draft phase per (depth, top_k): commit two accepted tokens, then grow the tree.
-    head_and_graphs: a head and its `CompiledDraft` (or None) to time instead of the model's."""
+    """Median seconds of one draft phase per (depth, top_k): commit two accepted tokens, then grow the tree (depth
+    expansion levels; depth 0: the root's children alone, a 2-node tree's). head_and_graphs: a head and its
+    `CompiledDraft` (or None) to time instead of the model's."""
     from .draft import Drafter
 
     head, graphs = head_and_graphs or (model.ea_layer, model.compiled_draft)
@@ -171,17 +178,27 @@ def _save(path, data: dict) -> None:
 
 
 def verify_costs(model, log=None) -> dict[int, float]:
-    """Verify seconds per tree size, measured once per machine + base (whatever the head), cached."""
+    """Verify seconds per tree size (SIZES), measured once per machine + base (whatever the head), cached."""
     path = _cache_path(model, "-verify", head=False)
     saved = _load(path)
-    if saved is not None:
+    if saved is not None and set(SIZES) <= set(map(int, saved["verify"])):
         return {int(n): s for n, s in saved["verify"].items()}
     t0 = time.perf_counter()
-    verify = model.base.pass_seconds(list(SIZES))
+    compiled = model.base.compiled
+    verify = verify_sizes(model.base.pass_seconds(sorted({1, *SIZES})), compiled.bucket if compiled else None)
     _save(path, {"verify": verify})
     if log:
         log(f"tree tuner: measured {len(verify)} verify sizes in {time.perf_counter() - t0:.1f} s (cached in {path})")
     return verify
+
+
+def verify_sizes(measured: dict[int, float], bucket=None) -> dict[int, float]:
+    """Seconds per tree size of SIZES from base passes timed at `measured`'s row counts (1 included). bucket: the
+    compiled forwards' rows -> the graph's rows (None past the largest graph: eager), or None for eager forwards.
+    Where a compiled forward pads the rows into a larger graph, the size's cost is linear between the nearest row
+    counts timed at their own rows: a compiled round verifies its N nodes in a graph of N rows (round_graphs.py)."""
+    exact = {n: s for n, s in measured.items() if bucket is None or bucket(n) in (None, n)}
+    return {n: s if n in exact else interpolated(exact, n) for n, s in measured.items() if n in SIZES}
 
 
 def draft_costs(model, options: list[tuple], depth_max: int, log=None) -> list[dict[tuple[int, int], float]]:
@@ -190,15 +207,15 @@ def draft_costs(model, options: list[tuple], depth_max: int, log=None) -> list[d
     shape in turn, so that a machine's drift between two measurements never decides between them."""
     path = _draft_cache_path(model, options)
     saved = _load(path)
-    if saved is not None and saved["depth_max"] >= depth_max:
+    if saved is not None and saved["depth_max"] >= depth_max and "0,1" in saved["heads"][0]:
         runs = saved["heads"]
     else:
         t0 = time.perf_counter()
         measured = [{} for _ in options]
-        for d in range(1, depth_max + 1):
-            for k in TOP_KS:
-                for costs, option in zip(measured, options):
-                    costs.update(draft_seconds(model, [d], [k], head_and_graphs=option))
+        # (0, 1): the 2-node tree's phase (the commit and the root's best child, no expansion: pick_tree)
+        for d, k in [(0, 1), *((d, k) for d in range(1, depth_max + 1) for k in TOP_KS)]:
+            for costs, option in zip(measured, options):
+                costs.update(draft_seconds(model, [d], [k], head_and_graphs=option))
         runs = [{f"{d},{k}": s for (d, k), s in costs.items()} for costs in measured]
         _save(path, {"depth_max": depth_max, "heads": runs})
         if log:
