@@ -72,8 +72,9 @@ def decode(model, ids: list[int], max_new_tokens: int, tree: TreeSpec | None) ->
 
 
 def race(model, prompts: list[list[int]], trees: list[TreeSpec], max_new_tokens: int, passes: int = 2) -> list[dict]:
-    """Per pass: {"vanilla": totals, "<n>/<d>/<k>": totals with "identical" and the runner's ms per round}. Totals
-    count new tokens, rounds and seconds after each prompt's prefill. One untimed warm-up prompt first."""
+    """Per pass: {"vanilla": totals, "<n>/<d>/<k>": totals with "identical" (answers equal to vanilla's) and "calls"
+    (seconds in each runner call)}. Totals count new tokens, rounds and seconds after each prompt's prefill. One
+    untimed warm-up prompt first."""
     used = model.tree
     for tree in [None, *trees]:  # warm-up: every graph and plan in use before the timing
         decode(model, prompts[0], min(16, max_new_tokens), tree)
