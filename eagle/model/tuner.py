@@ -185,7 +185,10 @@ def verify_costs(model, log=None) -> dict[int, float]:
         return {int(n): s for n, s in saved["verify"].items()}
     t0 = time.perf_counter()
     compiled = model.base.compiled
-    verify = verify_sizes(model.base.pass_seconds(sorted({1, *SIZES})), compiled.bucket if compiled else None)
+    bucket = compiled.bucket if compiled else None
+    # with compiled forwards, only the row counts a graph takes as they are (and 1, the line's start): the rest pad
+    rows = [n for n in sorted({1, *SIZES}) if bucket(n) in (None, n)] if bucket else list(SIZES)
+    verify = verify_sizes(model.base.pass_seconds(rows), bucket)
     _save(path, {"verify": verify})
     if log:
         log(f"tree tuner: measured {len(verify)} verify sizes in {time.perf_counter() - t0:.1f} s (cached in {path})")
@@ -198,7 +201,7 @@ def verify_sizes(measured: dict[int, float], bucket=None) -> dict[int, float]:
     Where a compiled forward pads the rows into a larger graph, the size's cost is linear between the nearest row
     counts timed at their own rows: a compiled round verifies its N nodes in a graph of N rows (round_graphs.py)."""
     exact = {n: s for n, s in measured.items() if bucket is None or bucket(n) in (None, n)}
-    return {n: s if n in exact else interpolated(exact, n) for n, s in measured.items() if n in SIZES}
+    return {n: exact[n] if n in exact else interpolated(exact, n) for n in SIZES}
 
 
 def draft_costs(model, options: list[tuple], depth_max: int, log=None) -> list[dict[tuple[int, int], float]]:
