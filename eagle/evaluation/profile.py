@@ -111,6 +111,13 @@ def instrument(clock: PhaseClock, model):
         (lm, "forward", lm_head), (EagerRound, "draft", "draft_step"), (EagerRound, "verify", "verify_step"),
         (CompiledRound, "draft", "draft_step"), (CompiledRound, "verify", "verify_step"),
     ]  # fmt: skip
+    with wrapped(clock, patches):
+        yield clock
+
+
+@contextlib.contextmanager
+def wrapped(clock: PhaseClock, patches: list[tuple]):
+    """(owner, attribute, phase name or key function) wrapped by `clock` while open, then restored."""
     saved = [(owner, attr, owner.__dict__.get(attr, _MISSING)) for owner, attr, _ in patches]
     try:
         for owner, attr, name in patches:

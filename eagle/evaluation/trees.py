@@ -8,15 +8,14 @@ cached). Then, per pass and prompt: vanilla, then every tree in turn, each decod
 template applied) with `EaModel.stream` at temperature 0. Per tree: tokens/s, x vanilla, tokens per base forward, a
 round in vanilla steps (seconds per round / seconds per vanilla step; prefill excluded from both), how many answers
 equal vanilla's, and per round the ms of `runner.draft`, `runner.verify`, `runner.keep` (round_graphs.py) and of the
-rest. The runner's methods are wrapped for the run and restored afterwards; the engine is not modified.
+rest (profile.py's clock: on CUDA each call synchronises the device). The runner's methods are wrapped for the run
+and restored afterwards; the engine is not modified.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import time
 from pathlib import Path
 
 import torch
@@ -24,51 +23,30 @@ import torch
 from eagle.model import round_graphs
 from eagle.model.generate import TreeSpec
 
+from . import round_times
 from .bench import add_question_args, load_questions
 from .models import add_model_args, device_name, exit_on_bad_options, load_from_args, log
+from .profile import PhaseClock, wrapped
 from .prompts import build_prompts
 
 CALLS = ("draft", "verify", "keep")  # the round runner's calls timed apart
 
 
-@contextlib.contextmanager
-def timed_runner_calls(seconds: dict[str, float]):
-    """While open, every round runner's `draft`, `verify` and `keep` add their wall time to seconds[name] (a call
-    made inside another timed one, e.g. a compiled runner falling back to the eager step, counts once)."""
-    classes = (round_graphs.EagerRound, round_graphs.CompiledRound)
-    saved = [(cls, name, cls.__dict__[name]) for cls in classes for name in CALLS if name in cls.__dict__]
-    depth = [0]
-
-    def timed(name, f):
-        def call(*args, **kwargs):
-            depth[0] += 1
-            t0 = time.perf_counter()
-            try:
-                return f(*args, **kwargs)
-            finally:
-                depth[0] -= 1
-                if depth[0] == 0:
-                    seconds[name] = seconds.get(name, 0.0) + time.perf_counter() - t0
-
-        return call
-
-    for cls, name, f in saved:
-        setattr(cls, name, timed(name, f))
-    try:
-        yield seconds
-    finally:
-        for cls, name, f in saved:
-            setattr(cls, name, f)
+def runner_calls() -> list[tuple]:
+    """profile.wrapped's patches that time every round runner's `draft`, `verify` and `keep` (CompiledRound's keep is
+    EagerRound's; a compiled step falling back to the eager one counts once, as the clock takes self time)."""
+    eager, compiled = round_graphs.EagerRound, round_graphs.CompiledRound
+    return [(eager, c, c) for c in CALLS] + [(compiled, c, c) for c in CALLS if c in compiled.__dict__]
 
 
 def decode(model, ids: list[int], max_new_tokens: int, tree: TreeSpec | None) -> dict:
-    """One greedy generation (tree None: vanilla): its tokens, and rounds and seconds after the prefill."""
+    """One greedy generation (tree None: vanilla; round_times.decode): its tokens, and rounds and seconds after the
+    prefill."""
     if tree is not None:
         model.tree = tree
-    rounds = list(model.stream(torch.tensor([ids]), eagle=tree is not None, temperature=0.0,
-                               max_new_tokens=max_new_tokens, max_length=len(ids) + max_new_tokens))  # fmt: skip
-    return {"tokens": [t for r in rounds for t in r.tokens], "rounds": len(rounds) - 1,
-            "new": sum(len(r.tokens) for r in rounds[1:]), "seconds": sum(r.seconds for r in rounds[1:])}  # fmt: skip
+    run = round_times.decode(model, ids, max_new_tokens, eagle=tree is not None)
+    return {"tokens": run["tokens"], "rounds": len(run["round_ms"]), "new": sum(run["round_tokens"]),
+            "seconds": sum(run["round_ms"]) / 1e3}  # fmt: skip
 
 
 def race(model, prompts: list[list[int]], trees: list[TreeSpec], max_new_tokens: int, passes: int = 2) -> list[dict]:
@@ -88,8 +66,11 @@ def race(model, prompts: list[list[int]], trees: list[TreeSpec], max_new_tokens:
             for tree in trees:
                 t = totals.setdefault(name(tree), {"new": 0, "rounds": 0, "seconds": 0.0, "identical": 0,
                                                    "calls": {}})  # fmt: skip
-                with timed_runner_calls(t["calls"]):
+                clock = PhaseClock(cuda=torch.cuda.is_available())
+                with wrapped(clock, runner_calls()):
                     run = decode(model, ids, max_new_tokens, tree)
+                for (_, call), seconds in clock.seconds.items():
+                    t["calls"][call] = t["calls"].get(call, 0.0) + seconds
                 for key in ("new", "rounds", "seconds"):
                     t[key] += run[key]
                 t["identical"] += run["tokens"] == ref["tokens"]
