@@ -187,7 +187,7 @@ def verify_costs(model, log=None) -> dict[int, float]:
     compiled = model.base.compiled
     bucket = compiled.bucket if compiled else None
     # with compiled forwards, only the row counts a graph takes as they are (and 1, the line's start): the rest pad
-    rows = [n for n in sorted({1, *SIZES}) if bucket(n) in (None, n)] if bucket else list(SIZES)
+    rows = [n for n in sorted({1, *SIZES}) if runs_as_is(bucket, n)] if bucket else list(SIZES)
     verify = verify_sizes(model.base.pass_seconds(rows), bucket)
     _save(path, {"verify": verify})
     if log:
@@ -195,12 +195,19 @@ def verify_costs(model, log=None) -> dict[int, float]:
     return verify
 
 
+def runs_as_is(bucket, rows: int) -> bool:
+    """Whether a base forward over `rows` runs at its own rows: eagerly (`bucket` None, or None for these rows: past
+    the largest graph) or in a graph of exactly that many rows (`bucket`: compiled.bucket)."""
+    return bucket is None or bucket(rows) in (None, rows)
+
+
 def verify_sizes(measured: dict[int, float], bucket=None) -> dict[int, float]:
-    """Seconds per tree size of SIZES from base passes timed at `measured`'s row counts (1 included). bucket: the
-    compiled forwards' rows -> the graph's rows (None past the largest graph: eager), or None for eager forwards.
-    Where a compiled forward pads the rows into a larger graph, the size's cost is linear between the nearest row
-    counts timed at their own rows: a compiled round verifies its N nodes in a graph of N rows (round_graphs.py)."""
-    exact = {n: s for n, s in measured.items() if bucket is None or bucket(n) in (None, n)}
+    """Seconds per tree size of SIZES from base passes timed at `measured`'s row counts (with compiled forwards, 1
+    included: the interpolation's start). bucket: the compiled forwards' rows -> the graph's rows (None past the
+    largest graph: eager), or None for eager forwards. Where a compiled forward pads the rows into a larger graph,
+    the size's cost is linear between the nearest row counts timed at their own rows (`runs_as_is`): a compiled
+    round verifies its N nodes in a graph of N rows (round_graphs.py)."""
+    exact = {n: s for n, s in measured.items() if runs_as_is(bucket, n)}
     return {n: exact[n] if n in exact else interpolated(exact, n) for n in SIZES}
 
 
