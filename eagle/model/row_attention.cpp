@@ -10,10 +10,12 @@
 //
 // Per row and query head: the allowed keys gathered (n of them) and split in ceil(n / CHUNK) chunks of equal size
 // (a multiple of VL, the last one shorter), each chunk a task of its own (with the key/value head's G query heads),
-// so that a one-row step's few heads still spread over the threads. Per chunk: scores s[c] = dot(q, k[c]) * scale +
-// mask, each dot fused-multiply-added in VL lanes over d then the lanes summed in a fixed order (VL keys at a time,
-// the same sums: block_dots); the chunk's max m; p[c] = exp(s[c] - m) (a polynomial, vectorised); their sum l in VL
-// lanes by c then in a fixed order; o = sum_c p[c] v[c] fused-multiply-added in c order. The row's output: its
+// so that a one-row step's few heads still spread over the threads; the rows whose chunk holds the same keys as row
+// 0's (a tree's rows over their shared context) make one task of it, which reads each key and value row once for
+// all of their query heads. Per chunk: scores s[c] = dot(q, k[c]) * scale + mask, each dot fused-multiply-added in
+// VL lanes over d then the lanes summed in a fixed order (VL keys at a time, the same sums: block_dots); the chunk's
+// max m; p[c] = exp(s[c] - m) (a polynomial, vectorised); their sum l in VL lanes by c then in a fixed order;
+// o = sum_c p[c] v[c] fused-multiply-added in c order. The row's output: its
 // chunks' o and l weighted by exp(m_j - max_j m_j), summed in chunk order, o / l (with one chunk exactly o / l).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -336,35 +338,85 @@ at::Tensor row_attention(const at::Tensor& q, const at::Tensor& k, const at::Ten
     chunks[i] = std::max<int64_t>(1, (n + size[i] - 1) / size[i]);
     first[i + 1] = first[i] + chunks[i] * Hkv;
   }
-  const int64_t G = H / Hkv, sstride = CHUNK + VL, ostride = D + VL, tasks = first[M];
-  // per task and query head: the chunk's max score, its sum of exponentials, its unnormalised output
-  std::vector<float> tops(tasks * G), totals(tasks * G), outs(tasks * G * ostride);
-  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> s(G * sstride);
-    std::vector<const float*> qh(G);
-    for (int64_t task = begin; task < end; task++) {
-      const int64_t i = std::upper_bound(first.begin(), first.end(), task) - first.begin() - 1;
-      const int64_t g = (task - first[i]) / chunks[i], chunk = (task - first[i]) % chunks[i];
-      const int64_t c0 = chunk * size[i], n = std::min(count[i] - c0, size[i]);
-      float* top = tops.data() + task * G;
-      float* total = totals.data() + task * G;
-      float* o = outs.data() + task * G * ostride;
+  const int64_t G = H / Hkv, sstride = CHUNK + VL, ostride = D + VL, slots = first[M];
+  // per (row, key/value head, chunk) slot and query head: the chunk's max score, its sum of exponentials, its
+  // unnormalised output
+  std::vector<float> tops(slots * G), totals(slots * G), outs(slots * G * ostride);
+  // Rows whose chunk j is row 0's (the same keys and mask values: a tree's rows over their shared prefix) share one
+  // task per key/value head, which reads each key and value row once for all of them (each row's arithmetic is the
+  // one it has alone: a key's dot, a row's softmax and its sums do not depend on the other query vectors of a task).
+  // Row 0's chunk j with the rows that share it (row 0 first), then every other (row, chunk) alone.
+  auto same_chunk = [&](int64_t i, int64_t j) {
+    const int64_t c0 = j * size[0], n = std::min(count[0] - c0, size[0]);
+    return j < chunks[i] && size[i] == size[0] && std::min(count[i] - c0, size[i]) == n &&
+           std::equal(keys.begin() + i * L + c0, keys.begin() + i * L + c0 + n, keys.begin() + c0) &&
+           std::equal(added.begin() + i * L + c0, added.begin() + i * L + c0 + n, added.begin() + c0);
+  };
+  std::vector<int64_t> rows_of;                        // tasks' rows, one task after another
+  std::vector<std::pair<int64_t, int64_t>> groups;     // (first index in rows_of, chunk j): a task per key/value head
+  std::vector<char> grouped(M * chunks[0], 0);         // (row, chunk of row 0) done by row 0's task
+  for (int64_t j = 0; j < chunks[0]; j++) {
+    groups.emplace_back(rows_of.size(), j);
+    rows_of.push_back(0);
+    for (int64_t i = 1; i < M; i++)
+      if (count[0] > 0 && same_chunk(i, j)) rows_of.push_back(i), grouped[i * chunks[0] + j] = 1;
+  }
+  for (int64_t i = 1; i < M; i++)
+    for (int64_t j = 0; j < chunks[i]; j++)
+      if (j >= chunks[0] || !grouped[i * chunks[0] + j]) groups.emplace_back(rows_of.size(), j), rows_of.push_back(i);
+  groups.emplace_back(rows_of.size(), 0);  // the end of the last task's rows
+  // the tasks (key/value head g, group t), g-major as the cache lies, split in contiguous runs of about equal work
+  // (rows x keys) between the threads: a thread reads each head's keys and values as one stream. Which thread runs a
+  // task changes no result.
+  const int64_t ngroups = groups.size() - 1, ntasks = ngroups * Hkv;
+  std::vector<double> upto(ntasks + 1, 0.0);  // work before each task
+  for (int64_t task = 0; task < ntasks; task++) {
+    const int64_t t = task % ngroups, i0 = rows_of[groups[t].first], j = groups[t].second;
+    const int64_t keys_in = std::max<int64_t>(1, std::min(count[i0] - j * size[i0], size[i0]));
+    upto[task + 1] = upto[task] + double(groups[t + 1].first - groups[t].first) * keys_in;
+  }
+  const int64_t parts = std::min<int64_t>(ntasks, at::get_num_threads());
+  at::parallel_for(0, parts, 1, [&](int64_t pbegin, int64_t pend) {
+    std::vector<float> s(M * G * sstride), top(M * G), total(M * G), o(M * G * ostride);
+    std::vector<const float*> qh(M * G);
+    // this call's tasks: those whose work starts in [pbegin, pend) / parts of the whole
+    const auto first_task = [&](int64_t part) {
+      return std::lower_bound(upto.begin(), upto.end() - 1, upto[ntasks] * part / parts) - upto.begin();
+    };
+    for (int64_t task = first_task(pbegin); task < (pend == parts ? ntasks : first_task(pend)); task++) {
+      const int64_t g = task / ngroups, t = task % ngroups, j = groups[t].second;
+      const int64_t* rows = rows_of.data() + groups[t].first;
+      const int64_t R = groups[t + 1].first - groups[t].first, i0 = rows[0];
+      const int64_t c0 = j * size[i0], n = std::min(count[i0] - c0, size[i0]);
       if (n <= 0) {  // no key to see (never in the engine: every row sees itself): zeros
-        std::fill_n(top, G, 0.f), std::fill_n(total, G, 1.f), std::fill_n(o, G * ostride, 0.f);
+        for (int64_t r = 0; r < R; r++) {
+          const int64_t slot = first[rows[r]] + g * chunks[rows[r]] + j;
+          std::fill_n(tops.data() + slot * G, G, 0.f), std::fill_n(totals.data() + slot * G, G, 1.f);
+          std::fill_n(outs.data() + slot * G * ostride, G * ostride, 0.f);
+        }
         continue;
       }
-      for (int64_t hh = 0; hh < G; hh++) qh[hh] = qp + (g * G + hh) * qhs + i * qrs;
-      const int64_t* ks = keys.data() + i * L + c0;
-      const float* as = added.data() + i * L + c0;
+      for (int64_t r = 0; r < R; r++)
+        for (int64_t hh = 0; hh < G; hh++) qh[r * G + hh] = qp + (g * G + hh) * qhs + rows[r] * qrs;
+      const int64_t* ks = keys.data() + i0 * L + c0;
+      const float* as = added.data() + i0 * L + c0;
       const float *kg = kp + g * khs, *vg = vp + g * vhs;
+      const int64_t QV = R * G;  // the task's query vectors: its rows' heads of key/value head g
+      float *sp = s.data(), *tp = top.data(), *lp = total.data(), *op_ = o.data();
       if (D == 4 * VL)
-        attend_chunk_at<4>(qh.data(), G, kg, vg, ks, as, n, sc, D, s.data(), sstride, top, total, o, ostride);
+        attend_chunk_at<4>(qh.data(), QV, kg, vg, ks, as, n, sc, D, sp, sstride, tp, lp, op_, ostride);
       else if (D == 8 * VL)
-        attend_chunk_at<8>(qh.data(), G, kg, vg, ks, as, n, sc, D, s.data(), sstride, top, total, o, ostride);
+        attend_chunk_at<8>(qh.data(), QV, kg, vg, ks, as, n, sc, D, sp, sstride, tp, lp, op_, ostride);
       else if (D == 16 * VL)  // 128 with AVX2's 8 lanes
-        attend_chunk_at<16>(qh.data(), G, kg, vg, ks, as, n, sc, D, s.data(), sstride, top, total, o, ostride);
+        attend_chunk_at<16>(qh.data(), QV, kg, vg, ks, as, n, sc, D, sp, sstride, tp, lp, op_, ostride);
       else
-        attend_chunk_at<0>(qh.data(), G, kg, vg, ks, as, n, sc, D, s.data(), sstride, top, total, o, ostride);
+        attend_chunk_at<0>(qh.data(), QV, kg, vg, ks, as, n, sc, D, sp, sstride, tp, lp, op_, ostride);
+      for (int64_t r = 0; r < R; r++) {  // each row's results to its own slot
+        const int64_t slot = first[rows[r]] + g * chunks[rows[r]] + j;
+        std::copy_n(tp + r * G, G, tops.data() + slot * G);
+        std::copy_n(lp + r * G, G, totals.data() + slot * G);
+        std::copy_n(op_ + r * G * ostride, G * ostride, outs.data() + slot * G * ostride);
+      }
     }
   });
   // out = sum_j e_j o_j / sum_j e_j total_j over a row's chunks in order, e_j = exp(top_j - max_j top_j): with one
