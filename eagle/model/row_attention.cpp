@@ -15,8 +15,8 @@
 // all of their query heads. Per chunk: scores s[c] = dot(q, k[c]) * scale + mask, each dot fused-multiply-added in
 // VL lanes over d then the lanes summed in a fixed order (VL keys at a time, the same sums: block_dots); the chunk's
 // max m; p[c] = exp(s[c] - m) (a polynomial, vectorised); their sum l in VL lanes by c then in a fixed order;
-// o = sum_c p[c] v[c] fused-multiply-added in c order. The row's output: its
-// chunks' o and l weighted by exp(m_j - max_j m_j), summed in chunk order, o / l (with one chunk exactly o / l).
+// o = sum_c p[c] v[c] fused-multiply-added in c order. The row's output: its chunks' o and l weighted by
+// exp(m_j - max_j m_j), summed in chunk order, o / l (with one chunk exactly o / l).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -342,6 +342,7 @@ at::Tensor row_attention(const at::Tensor& q, const at::Tensor& k, const at::Ten
   // per (row, key/value head, chunk) slot and query head: the chunk's max score, its sum of exponentials, its
   // unnormalised output
   std::vector<float> tops(slots * G), totals(slots * G), outs(slots * G * ostride);
+  const auto slot_of = [&](int64_t i, int64_t g, int64_t j) { return first[i] + g * chunks[i] + j; };
   // Rows whose chunk j is row 0's (the same keys and mask values: a tree's rows over their shared prefix) share one
   // task per key/value head, which reads each key and value row once for all of them (each row's arithmetic is the
   // one it has alone: a key's dot, a row's softmax and its sums do not depend on the other query vectors of a task).
@@ -388,14 +389,6 @@ at::Tensor row_attention(const at::Tensor& q, const at::Tensor& k, const at::Ten
       const int64_t* rows = rows_of.data() + groups[t].first;
       const int64_t R = groups[t + 1].first - groups[t].first, i0 = rows[0];
       const int64_t c0 = j * size[i0], n = std::min(count[i0] - c0, size[i0]);
-      if (n <= 0) {  // no key to see (never in the engine: every row sees itself): zeros
-        for (int64_t r = 0; r < R; r++) {
-          const int64_t slot = first[rows[r]] + g * chunks[rows[r]] + j;
-          std::fill_n(tops.data() + slot * G, G, 0.f), std::fill_n(totals.data() + slot * G, G, 1.f);
-          std::fill_n(outs.data() + slot * G * ostride, G * ostride, 0.f);
-        }
-        continue;
-      }
       for (int64_t r = 0; r < R; r++)
         for (int64_t hh = 0; hh < G; hh++) qh[r * G + hh] = qp + (g * G + hh) * qhs + rows[r] * qrs;
       const int64_t* ks = keys.data() + i0 * L + c0;
@@ -403,7 +396,9 @@ at::Tensor row_attention(const at::Tensor& q, const at::Tensor& k, const at::Ten
       const float *kg = kp + g * khs, *vg = vp + g * vhs;
       const int64_t QV = R * G;  // the task's query vectors: its rows' heads of key/value head g
       float *sp = s.data(), *tp = top.data(), *lp = total.data(), *op_ = o.data();
-      if (D == 4 * VL)
+      if (n <= 0)  // no key to see (never in the engine: every row sees itself): zeros
+        std::fill_n(tp, QV, 0.f), std::fill_n(lp, QV, 1.f), std::fill_n(op_, QV * ostride, 0.f);
+      else if (D == 4 * VL)
         attend_chunk_at<4>(qh.data(), QV, kg, vg, ks, as, n, sc, D, sp, sstride, tp, lp, op_, ostride);
       else if (D == 8 * VL)
         attend_chunk_at<8>(qh.data(), QV, kg, vg, ks, as, n, sc, D, sp, sstride, tp, lp, op_, ostride);
@@ -412,7 +407,7 @@ at::Tensor row_attention(const at::Tensor& q, const at::Tensor& k, const at::Ten
       else
         attend_chunk_at<0>(qh.data(), QV, kg, vg, ks, as, n, sc, D, sp, sstride, tp, lp, op_, ostride);
       for (int64_t r = 0; r < R; r++) {  // each row's results to its own slot
-        const int64_t slot = first[rows[r]] + g * chunks[rows[r]] + j;
+        const int64_t slot = slot_of(rows[r], g, j);
         std::copy_n(tp + r * G, G, tops.data() + slot * G);
         std::copy_n(lp + r * G, G, totals.data() + slot * G);
         std::copy_n(op_ + r * G * ostride, G * ostride, outs.data() + slot * G * ostride);
@@ -426,7 +421,7 @@ at::Tensor row_attention(const at::Tensor& q, const at::Tensor& k, const at::Ten
     std::vector<float> acc(D);
     for (int64_t ih = begin; ih < end; ih++) {
       const int64_t i = ih / H, h = ih % H, g = h / G, hh = h % G;
-      const int64_t t0 = first[i] + g * chunks[i];
+      const int64_t t0 = slot_of(i, g, 0);
       float best = -std::numeric_limits<float>::infinity();
       for (int64_t j = 0; j < chunks[i]; j++) best = std::max(best, tops[(t0 + j) * G + hh]);
       float sum = 0.f;
