@@ -154,7 +154,7 @@ def load_engine(args):
 def start_compiled_rounds(engine, loaded, mode: str, log=lambda line: print(f"[compile] {line}")) -> None:
     """Compiled rounds for `engine`: on CUDA, CUDA graphs captured now (seconds); on a CPU, compiled by child
     processes (minutes the first time) and brought in by the idle work (app/idle_work.py)."""
-    from eagle.model.tuner import compile_rounds
+    from eagle.model.compiling import compile_rounds
 
     from .idle_work import compiled_rounds, first_stage, first_tree, saved_verdict
     from .precompile import ChildCompile, compiled_before
@@ -184,14 +184,14 @@ def start_compiled_rounds(engine, loaded, mode: str, log=lambda line: print(f"[c
 def compile_spec(loaded):
     """The graphs to compile for the loaded model: the base's 1-row step, its tree's verify bucket, the 8-row one
     (and the 4-row one where the base reads GGUF blocks), the draft's up to what a level or a commit of the tree
-    spans, the head in one dtype: in GGUF blocks (tuner.QUANTIZED_HEAD) where the panel kernel runs under a float32
+    spans, the head in one dtype: in GGUF blocks (compiling.QUANTIZED_HEAD) where the panel kernel runs under a float32
     base (its quantized kernel reads them in the graphs), else the head's own."""
     import torch
 
     from eagle.model import few_rows, quant_panels
     from eagle.model.compiled import BUCKETS, bucket_for
     from eagle.model.compiled_draft import DRAFT_BUCKETS
-    from eagle.model.tuner import QUANTIZED_HEAD, quantized_head_pays
+    from eagle.model.compiling import QUANTIZED_HEAD, quantized_head_pays
 
     from .precompile import CompileSpec
 

@@ -153,9 +153,9 @@ def rounds_in_use(model, base_graphs, head, draft_graphs):
 
 
 def compiled_vs_eager(model, base_graphs) -> tuple[dict, float]:
-    """ms per forward over each bucket's rows, compiled and eager (tuner.compiled_vs_eager); (result, other
+    """ms per forward over each bucket's rows, compiled and eager (compiling.compiled_vs_eager); (result, other
     processes' CPU meanwhile in cores)."""
-    from eagle.model.tuner import compiled_vs_eager as measure
+    from eagle.model.compiling import compiled_vs_eager as measure
 
     with OthersCpu() as load, rounds_in_use(model, base_graphs, None, None):
         ms = measure(model.base)["ms"]

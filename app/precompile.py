@@ -81,7 +81,7 @@ class CompileSpec:
         graphs are in the caches (aot_store's saved graphs, inductor's)."""
         import torch
 
-        from eagle.model.tuner import compiled_options, cpu_description
+        from eagle.model.cost_cache import compiled_options, cpu_description
 
         what = [self.to_json(), torch.__version__, compiled_options(), cpu_description()]
         return hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()[:20]

@@ -456,7 +456,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    from eagle.model.tuner import cpu_description
+    from eagle.model.cost_cache import cpu_description
 
     from eagle.evaluation.models import log
     from eagle.evaluation.questions import load_mtbench_questions

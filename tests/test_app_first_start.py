@@ -74,12 +74,15 @@ def ask(client, **kw) -> dict:
 
 def check_pairs(client, forwards: str, per_reply: bool = True, medians: float = 0.2, rerun: float = 0.9,
                 pairs: int = 3) -> None:  # fmt: skip
-    """The default figure (this prompt's vanilla timed for 32 tokens right after the reply) against the whole reply
-    decoded again without EAGLE, `pairs` times: each pair within 20% (`per_reply`), their medians within `medians`,
-    and the reruns' vanilla at least `rerun` x the idle reference's. Looser while a compile is under way: then a
-    2-core VM's replies swing by a fifth to a third between runs seconds apart, EAGLE's as much as vanilla's
-    (BENCHMARKS.md, "A reply's speedup against vanilla timed beside it"), so one run's figure cannot match another
-    run's that closely."""
+    """The default figure (this prompt's vanilla timed for 32 tokens right after the reply), `pairs` times, against
+    the prompt's measured speedup: the same prompt asked again with its whole reply decoded again without EAGLE, as
+    many times, the median of those reruns. Each shown figure within 20% of it (`per_reply`), the shown figures'
+    median within `medians`, and the reruns' vanilla at least `rerun` x the idle reference's. The measured side is a
+    median because one rerun is a sample of the machine's speed as much as the shown figure is: on a 2-core VM the
+    same prompt's measured speedup moved from 1.17x to 0.98x and back to 1.27x within minutes (session 59), which
+    says nothing of the figure the page showed. Looser while a compile is under way: then replies swing by a fifth
+    to a third between runs seconds apart, EAGLE's as much as vanilla's (BENCHMARKS.md, "A reply's speedup against
+    vanilla timed beside it"), so one run's figure cannot match another run's that closely."""
     deadline = time.monotonic() + 300
     while not ask(client)["speedup"]:  # until a reply ends with a figure (its check on these forwards)
         assert time.monotonic() < deadline, "no vanilla reference after 300 s"
@@ -94,11 +97,11 @@ def check_pairs(client, forwards: str, per_reply: bool = True, medians: float = 
               f"{measured[-1]['tokens_per_s']}, vanilla rerun {measured[-1]['vanilla_tokens_per_s']})")  # fmt: skip
     assert {f["forwards"] for f in shown + measured} == {forwards}
     assert all(f["vanilla_source"].startswith("this prompt decoded without EAGLE for 32 tokens") for f in shown)
-    for s, m in zip(shown, measured):
-        assert s["speedup"] >= 1.0, s
-        assert not per_reply or abs(s["speedup"] / m["speedup"] - 1) <= 0.2, (s["speedup"], m["speedup"])
     x_shown = statistics.median(f["speedup"] for f in shown)
-    x_measured = statistics.median(f["speedup"] for f in measured)
+    x_measured = statistics.median(f["speedup"] for f in measured)  # the prompt's measured speedup
+    for s in shown:
+        assert s["speedup"] >= 1.0, s
+        assert not per_reply or abs(s["speedup"] / x_measured - 1) <= 0.2, (s["speedup"], x_measured)
     assert x_shown >= 1.0 and abs(x_shown / x_measured - 1) <= medians, (x_shown, x_measured)
     # a vanilla run during a reply decodes as fast as the idle reference says: nothing runs beside a reply
     again = statistics.median(f["vanilla_tokens_per_s"] for f in measured)

@@ -5,7 +5,7 @@ import pytest
 import torch
 from tiny import random_draft, save_base, tiny_base
 
-from eagle.model import compiled, compiled_draft, runners, tuner
+from eagle.model import compiled, compiled_draft, compiling, runners, tuner
 from eagle.model.base import BaseModel
 from eagle.model.masks import additive_mask, tree_mask
 from eagle.model.compiled import CompiledDecode, bucket_for, pad_rows
@@ -127,7 +127,7 @@ def test_compile_auto_follows_the_measurement_and_failures_stay_eager(folder, mo
     monkeypatch.setattr(runners, "decode_graphs", broken)
     model = load("on")
     assert model.base.compiled is None and lines[-1] == "compiling failed (RuntimeError: no C++ compiler); decoding eagerly"
-    assert tuner.compile_rounds(model, "on", lines.append) is False
+    assert compiling.compile_rounds(model, "on", lines.append) is False
     with pytest.raises(ValueError, match="compile must be"):
         load("yes")
 
@@ -242,11 +242,11 @@ def test_compiled_drafts_in_both_dtypes_and_the_faster_one_is_kept(folder, monke
     path, base = folder
     monkeypatch.setenv("EAGLE_CACHE", str(tmp_path))
     monkeypatch.setattr(compiled_draft, "DRAFT_BUCKETS", (4,))
-    monkeypatch.setattr(tuner, "QUANTIZED_HEAD_MIN_BYTES", 0)  # the tiny head offered with Q4_1 weights too
+    monkeypatch.setattr(compiling, "QUANTIZED_HEAD_MIN_BYTES", 0)  # the tiny head offered with Q4_1 weights too
     draft = random_draft(base, str(path / "draft_dtypes"), eagle3=True, draft_vocab=12)
     model = EaModel.from_pretrained(str(path / "base"), draft, dtype=torch.float32, draft_dtype=torch.bfloat16)
     lines = []
-    drafts = tuner._compiled_drafts(model, lines.append)
+    drafts = compiling._compiled_drafts(model, lines.append)
     # the head's dtype, the base's, and the base's with Q4_1 weights (few_rows.quantize)
     assert [h.dtype_name for h, _ in drafts] == ["bfloat16", "float32", "q4_1"]
     assert drafts[0][0] is model.ea_layer and all(isinstance(g, CompiledDraft) for _, g in drafts)
@@ -254,12 +254,12 @@ def test_compiled_drafts_in_both_dtypes_and_the_faster_one_is_kept(folder, monke
     monkeypatch.setattr(tuner, "draft_seconds", lambda m, d, k, repeats, head_and_graphs: {
         (d[0], k[0]): timed[head_and_graphs[0].dtype_name]})  # fmt: skip
     where = tmp_path / "draft-timing.json"
-    head, graphs = tuner._faster_draft(model, drafts, (2, 1), where, lines.append)
+    head, graphs = compiling._faster_draft(model, drafts, (2, 1), where, lines.append)
     assert head.dtype_name == "float32" and graphs is drafts[1][1]
     assert lines[-1] == ("compiled draft phase (depth 2, width 1): 2000.0 ms in bfloat16, 1000.0 ms in float32, "
                          "3000.0 ms in q4_1")  # fmt: skip
     timed = {"bfloat16": 1.0, "float32": 2.0, "q4_1": 3.0}  # cached: not timed again
-    assert tuner._faster_draft(model, drafts, (2, 1), where, lines.append)[0].dtype_name == "float32"
+    assert compiling._faster_draft(model, drafts, (2, 1), where, lines.append)[0].dtype_name == "float32"
     # the kept head drafts with its graphs as it does eagerly: the same tokens in the same rounds
     runs = []
     for graphs_in_use in (None, graphs):

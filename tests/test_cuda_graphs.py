@@ -120,7 +120,7 @@ def test_a_base_spread_over_devices_is_refused_in_one_line_and_decodes_eagerly(t
     """device_map over several GPUs: graphs hold one device's addresses, so compile_rounds says why in one line and
     the model decodes eagerly (here the spread is a layer on the meta device, and the CUDA route is forced)."""
     from eagle.model import runners
-    from eagle.model.tuner import compile_rounds
+    from eagle.model.compiling import compile_rounds
 
     base = tiny_base("llama")
     model = EaModel(base, load_head(base, *read_checkpoint(random_draft(base, str(tmp_path / "d")))), None, 8, 3, 4)

@@ -84,7 +84,7 @@ def test_the_app_compiles_the_q4_1_head_and_a_4_row_graph_for_a_base_reading_ggu
     from q4_fixtures import quantized_tiny_base
 
     from app.cli import compile_spec
-    from eagle.model import tuner
+    from eagle.model import compiling
 
     base = quantized_tiny_base(tmp_path / "tiny.gguf", layers=4)
     config, state = read_checkpoint(random_draft(base, str(tmp_path / "draft"), eagle3=True))
@@ -92,7 +92,7 @@ def test_the_app_compiles_the_q4_1_head_and_a_4_row_graph_for_a_base_reading_ggu
     loaded = SimpleNamespace(model=model, base_path="base", head_path="draft", dtype="float32")
     spec = compile_spec(loaded)
     assert spec.draft_dtype == "float32" and spec.base_buckets == (1, 4, 8)  # a tiny head stays in float32
-    monkeypatch.setattr(tuner, "QUANTIZED_HEAD_MIN_BYTES", 0)
+    monkeypatch.setattr(compiling, "QUANTIZED_HEAD_MIN_BYTES", 0)
     assert compile_spec(loaded).draft_dtype == "q4_1"
     few_rows.uninstall(base)  # float32 weights: no 4-row graph
     assert compile_spec(loaded).base_buckets == (1, 8)

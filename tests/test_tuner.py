@@ -9,7 +9,7 @@ import pytest
 import torch
 from tiny import random_draft, save_base, tiny_base
 
-from eagle.model import few_rows, tuner
+from eagle.model import cost_cache, few_rows, tuner
 from eagle.model.ea_model import EaModel
 from eagle.model.tuner import expected_tau, pick_tree
 
@@ -125,19 +125,19 @@ def test_total_token_minus_one_tunes_with_the_profile_and_stays_lossless(folders
 
 def test_cost_cache_key_changes_with_machine_model_and_head(folders, monkeypatch):
     model = EaModel.from_pretrained(*folders, dtype=torch.float32)
-    key = tuner._cache_key(model)
-    assert tuner._cache_key(model) == key
+    key = cost_cache.key(model)
+    assert cost_cache.key(model) == key
     model.ea_layer.to(torch.bfloat16)
-    assert tuner._cache_key(model) != key  # the head's dtype
+    assert cost_cache.key(model) != key  # the head's dtype
     model.ea_layer.to(torch.float32)
     model.base_model.config.rms_norm_eps = 1e-3
-    assert tuner._cache_key(model) != key  # the model
+    assert cost_cache.key(model) != key  # the model
     model.base_model.config.rms_norm_eps = 1e-5
     monkeypatch.setattr(few_rows, "kernels_id", lambda: "linear,wxt;panel_linear.cpp changed")
-    assert tuner._cache_key(model) != key  # the kernels (a new or changed one is timed again)
+    assert cost_cache.key(model) != key  # the kernels (a new or changed one is timed again)
     monkeypatch.undo()
-    monkeypatch.setattr(tuner, "cpu_description", lambda: {"model": "another CPU"})
-    assert tuner._cache_key(model) != key  # the machine
+    monkeypatch.setattr(cost_cache, "cpu_description", lambda: {"model": "another CPU"})
+    assert cost_cache.key(model) != key  # the machine
 
 
 def test_verify_costs_are_measured_once_for_heads_of_two_dtypes_and_draft_costs_per_dtype(folders, monkeypatch):
@@ -159,15 +159,16 @@ def test_verify_costs_are_measured_once_for_heads_of_two_dtypes_and_draft_costs_
     assert verify_calls == [1] and draft_dtypes == ["float32", "bfloat16"] * shapes
     tuner.tune(model, accept)  # everything from the cache now
     assert verify_calls == [1] and len(draft_dtypes) == 2 * shapes
-    verify_key, draft_key = tuner._cache_key(model, head=False), tuner._cache_key(model)
+    verify_key, draft_key = cost_cache.key(model, head=False), cost_cache.key(model)
     (fp32, _), (bf16, _) = model.draft_options
-    model.ea_layer = bf16 if model.ea_layer is fp32 else fp32  # the other head
-    assert tuner._cache_key(model, head=False) == verify_key and tuner._cache_key(model) != draft_key
+    other = (bf16 if model.ea_layer is fp32 else fp32, None)  # the other head
+    assert cost_cache.key(model, head=False, draft=other) == verify_key and cost_cache.key(model, draft=other) != draft_key
 
 
 def test_draft_dtype_auto_keeps_the_faster_dtype_measured_here(folders, monkeypatch):
     timings = {torch.float32: 0.002, torch.bfloat16: 0.001}
-    monkeypatch.setattr(tuner, "draft_seconds", lambda m, *a, **k: {(3, 4): timings[m.ea_layer.fc.weight.dtype]})
+    monkeypatch.setattr(tuner, "draft_seconds", lambda m, *a, head_and_graphs=None, **k: {
+        (3, 4): timings[(head_and_graphs or (m.ea_layer,))[0].fc.weight.dtype]})  # fmt: skip
 
     def head_dtype():
         return EaModel.from_pretrained(*folders, draft_dtype="auto", dtype=torch.float32).ea_layer.fc.weight.dtype
@@ -240,7 +241,7 @@ def test_few_row_kernels_auto_takes_the_fastest_kernel_per_row_count_as_timed_he
 
 def test_with_heads_of_two_dtypes_the_tuner_picks_tree_and_dtype_together(folders, monkeypatch):
     """Where compiling left the head in two dtypes (`draft_options`), each dtype's measured costs give its best tree;
-    the faster pair is kept and its head put in use."""
+    the faster pair is the choice (`option`), which the tuner leaves to the model to put in use (`tune_tree`)."""
     import copy
 
     model = EaModel.from_pretrained(*folders, dtype=torch.float32)
@@ -259,8 +260,13 @@ def test_with_heads_of_two_dtypes_the_tuner_picks_tree_and_dtype_together(folder
         costs(head.fc.weight.dtype, depth_max) for head, _ in options])  # fmt: skip
     choice = tuner.tune(model, accept)
     best = pick_tree(accept, verify, costs(torch.bfloat16, 3))
-    assert choice.draft_dtype == "bfloat16" and model.ea_layer is bf16
+    assert choice.draft_dtype == "bfloat16" and model.draft_options[choice.option][0] is bf16
+    assert model.ea_layer is fp32  # tuning measures and returns; it changes nothing
     assert (choice.total_token, choice.depth, choice.top_k, choice.tokens_per_s) == (
         best.total_token, best.depth, best.top_k, best.tokens_per_s)  # fmt: skip
+    model.acceptance, model.context_profile = accept, None
+    model.tune_tree()
+    assert model.ea_layer is bf16 and model.tree.total_token == best.total_token
     level_s[torch.float32] = 0.001  # now float32 drafts faster
-    assert tuner.tune(model, accept).draft_dtype == "float32" and model.ea_layer is fp32
+    model.tune_tree()
+    assert model.tree_choice.draft_dtype == "float32" and model.ea_layer is fp32

@@ -215,7 +215,7 @@ class LoadedModel:
 
     @property
     def draft_dtype(self) -> str:
-        """The head's dtype now (compiling may change it: tuner.compile_rounds keeps the faster compiled draft)."""
+        """The head's dtype now (compiling may change it: compiling.compile_rounds keeps the faster compiled draft)."""
         return self.model.ea_layer.dtype_name
 
     @property

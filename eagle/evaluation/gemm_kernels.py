@@ -27,7 +27,7 @@ from torch import nn
 
 from eagle.model import few_rows, panel_kernel
 from eagle.model.compiled import OPTIONS, freeze_without_mkl_packing
-from eagle.model.tuner import cpu_description
+from eagle.model.cost_cache import cpu_description
 
 
 class Stack(nn.Module):

@@ -146,13 +146,13 @@ def build_model(name: str, dtype: torch.dtype, device: torch.device, scale: int 
 
 
 def graph(model, capture: bool, direct: bool = False) -> dict:
-    """The graphed rounds in use: on CUDA the app's route (tuner.compile_rounds with --compile on: CUDA graphs of
+    """The graphed rounds in use: on CUDA the app's route (compiling.compile_rounds with --compile on: CUDA graphs of
     the base's passes and the head's steps, timed against eager once), then the greedy round's own graphs for the
     tree (cuda_round.py: draft, verify, keep); with capture off the same runners built directly (what the tests
     do). Returns what it said and the seconds it took."""
     from eagle.model.cuda_graphs import BUCKETS, DRAFT_BUCKETS, GraphedDecode, GraphedDraft
     from eagle.model.draft import HeadStep
-    from eagle.model.tuner import compile_rounds
+    from eagle.model.compiling import compile_rounds
 
     t0, lines = time.perf_counter(), []
     if capture and not direct:

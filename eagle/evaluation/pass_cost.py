@@ -21,7 +21,7 @@ import sys
 import torch
 
 from eagle.model import few_rows
-from eagle.model.tuner import cpu_description
+from eagle.model.cost_cache import cpu_description
 
 from .floor import floor, read_bytes_per_token
 from .models import add_model_args, device_name, exit_on_bad_options, load_from_args, log

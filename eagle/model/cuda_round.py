@@ -41,7 +41,7 @@ class CudaRound(EagerRound, LeasedCache):
         self.decode = base.compiled
         if not isinstance(self.decode, GraphedDecode):
             raise ValueError("the round's CUDA graphs run on the base forwards' (cuda_graphs.GraphedDecode): put "
-                             "those in use first (runners.decode_graphs, or tuner.compile_rounds)")  # fmt: skip
+                             "those in use first (runners.decode_graphs, or compiling.compile_rounds)")  # fmt: skip
         head = step.head
         device = head.fc.weight.device
         self.cache = static_draft_cache(head, self.decode.capacity + shape.commit_rows + shape.draft_entries + 1)

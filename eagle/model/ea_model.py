@@ -20,13 +20,14 @@ from torch import nn
 from . import few_rows, quant_panels, runners
 from .base import BaseModel
 from .checkpoint import build_draft_head, read_acceptance_profile, read_checkpoint, read_context_profile
+from .compiling import compile_rounds
 from .context_draft import BUCKETS, ContextDrafter, ContextStats
 from .draft import Drafter, HeadStep
 from .draft_head import DraftHead
 from .generate import Budget, Round, TreeSpec, eagle_rounds, greedy_tree_rounds, vanilla_rounds
 from .round_graphs import EagerRound
 from .round_steps import TreeShape
-from .tuner import TreeChoice, compile_rounds, faster_draft_dtype, few_row_plan, panel_tiling, tune
+from .tuner import TreeChoice, faster_draft_dtype, few_row_plan, panel_tiling, tune
 from .verify import SamplingParams, TokenPicker
 
 # End-of-turn tokens of common chat templates; those present in the vocabulary stop generation.
@@ -75,7 +76,7 @@ class EaModel(nn.Module):
         self.compiled_draft = None  # the CompiledDraft in use (`compile_draft` builds one)
         # CompiledRound per tree shape (round_graphs.py), used while the base's graphs are in use (`compile_round`)
         self.compiled_rounds: dict[TreeShape, object] = {}
-        # (head, CompiledDraft) per dtype compiled (tuner.compile_rounds), which `tune_tree` picks among; None: the
+        # (head, CompiledDraft) per dtype compiled (compiling.compile_rounds), which `tune_tree` picks among; None: the
         # head in use only
         self.draft_options: list[tuple] | None = None
         self.acceptance: list[list[float]] | None = None  # the head's acceptance profile, when the tree is tuned
@@ -157,6 +158,8 @@ class EaModel(nn.Module):
         acceptance profile (`self.acceptance`, read at load with total_token=-1). With a context profile
         (`self.context_profile`) the context chains' sizes are picked on the same costs."""
         self.tree_choice = c = tune(self, self.acceptance, log, self.context_profile)
+        if self.draft_options:  # the head (and its compiled draft steps) the tree was priced with
+            self.ea_layer, self.compiled_draft = self.draft_options[c.option]
         self.tree = TreeSpec(c.total_token, c.depth, c.top_k, None)
         if c.chains:
             self.context_chains = c.chains

@@ -12,20 +12,22 @@ round, where
 - seconds per round are measured here: one verify pass over n rows (`BaseModel.pass_seconds`; with compiled
   forwards, sizes between their graphs' row counts interpolated: `verify_sizes`) plus one draft phase of depth D
   and width K (commit the accepted tokens, grow the tree: `draft_seconds`; the 2-node tree's without expansion).
-Measurements are cached per machine, threads, model and head (`cache_dir()/tuner`), so a second start is instant.
+Measurements are cached per machine, threads, model and head (cost_cache.py), so a second start is instant. The same
+module times the few-row kernels (`few_row_plan`), the panel kernel's tilings (`panel_tiling`) and the head's dtype
+(`faster_draft_dtype`). Everything here measures and returns a choice; the model's runners are put in use by its
+caller (`EaModel.tune_tree`, compiling.py).
 """
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
-import json
 import time
 from dataclasses import dataclass, replace
 
 import torch
 
-from . import few_rows, panel_kernel, quant_panels
+from . import cost_cache, few_rows, quant_panels
 from .context_draft import CHAINS, pick_chains
 from .timing import repeated_seconds
 
@@ -43,6 +45,7 @@ class TreeChoice:
     tokens_per_s: float
     draft_dtype: str = ""  # the head's dtype the costs were measured in
     chains: tuple[int, ...] = ()  # context-chain nodes (M) per match bucket picked for this tree on these costs
+    option: int = 0  # which of the model's draft options (head, compiled draft steps) the costs were measured with
 
 
 def expected_tau(accept: list[list[float]], total_token: int, depth: int, top_k: int) -> float:
@@ -103,84 +106,10 @@ def draft_seconds(
                 for d in depths for k in top_ks}  # fmt: skip
 
 
-def cpu_description() -> dict:
-    """The CPU as lscpu would name it: model name, logical CPUs, and the SIMD flags that shape kernel choice."""
-    import os
-
-    info = {"model": None, "cpus": os.cpu_count(), "flags": []}
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                if key.strip() == "model name" and info["model"] is None:
-                    info["model"] = value.strip()
-                elif key.strip() == "flags" and not info["flags"]:
-                    wanted = ("avx", "fma", "amx", "bf16", "vnni", "f16c", "sse4")
-                    info["flags"] = sorted(x for x in value.split() if x.startswith(wanted) or "bf16" in x)
-    except OSError:
-        pass
-    return info
-
-
-def compiled_options() -> str:
-    """How compiled graphs are built, for cache keys: compiled.py's inductor options and GEMM backends, and the
-    code of compiled.py, compiled_draft.py, aot_store.py and cuda_graphs.py (timings of graphs built by other code
-    are not reused)."""
-    import inspect
-
-    from . import aot_store, compiled, compiled_draft, cuda_graphs
-
-    sources = "".join(map(inspect.getsource, (compiled, compiled_draft, aot_store, cuda_graphs)))
-    code = hashlib.sha256(sources.encode()).hexdigest()[:12]
-    return json.dumps({**compiled.OPTIONS, "gemm_backends": compiled.GEMM_BACKENDS, "code": code}, sort_keys=True)
-
-
-def _cache_key(model, head: bool = True) -> str:
-    """The machine, the base and how its forwards run; with `head`, the draft head and how its steps run too."""
-    base = model.base_model
-    device = str(model.base.lm_head.weight.device)
-    what = {
-        "cpu": cpu_description(), "device": device, "threads": torch.get_num_threads(), "torch": torch.__version__,
-        "gpu": torch.cuda.get_device_name() if device.startswith("cuda") else None,
-        "base": getattr(base.config, "_name_or_path", ""), "base_config": base.config.to_json_string(),
-        "base_dtype": str(model.base.dtype), "few_row_plan": few_rows.plan_of(base),
-        "few_row_kernels": few_rows.kernels_id(),
-        "tiling": quant_panels.tiling() if panel_kernel.loaded() else None,
-        "compiled": model.base.compiled.buckets if model.base.compiled is not None else None,
-        "spans": getattr(model.base.compiled, "spans", None),  # CUDA graphs: the cache spans they attend over
-    }  # fmt: skip
-    if head:
-        what |= {
-            "head": str(model.ea_layer.config), "head_dtype": model.ea_layer.dtype_name,
-            "compiled_draft": model.compiled_draft.buckets if model.compiled_draft is not None else None,
-        }  # fmt: skip
-    compiled = model.base.compiled is not None or (head and model.compiled_draft is not None)
-    what["compile_options"] = compiled_options() if compiled else None
-    return hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()[:20]
-
-
-def _cache_path(model, suffix: str = "", head: bool = True):
-    from eagle.fetch import cache_dir
-
-    return cache_dir() / "tuner" / f"{_cache_key(model, head)}{suffix}.json"
-
-
-def _load(path) -> dict | None:
-    return json.loads(path.read_text()) if path.is_file() else None
-
-
-def _save(path, data: dict) -> None:
-    """Written whole or not at all (a temporary file renamed into place)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(data, indent=1))
-    tmp.replace(path)
-
-
 def verify_costs(model, log=None) -> dict[int, float]:
     """Verify seconds per tree size (SIZES), measured once per machine + base (whatever the head), cached."""
-    path = _cache_path(model, "-verify", head=False)
-    saved = _load(path)
+    path = cost_cache.path(model, "-verify", head=False)
+    saved = cost_cache.load(path)
     if saved is not None and set(SIZES) <= set(map(int, saved["verify"])):
         return {int(n): s for n, s in saved["verify"].items()}
     t0 = time.perf_counter()
@@ -189,7 +118,7 @@ def verify_costs(model, log=None) -> dict[int, float]:
     # with compiled forwards, only the row counts a graph takes as they are (and 1, the line's start): the rest pad
     rows = [n for n in sorted({1, *SIZES}) if runs_as_is(bucket, n)] if bucket else list(SIZES)
     verify = verify_sizes(model.base.pass_seconds(rows), bucket)
-    _save(path, {"verify": verify})
+    cost_cache.save(path, {"verify": verify})
     if log:
         log(f"tree tuner: measured {len(verify)} verify sizes in {time.perf_counter() - t0:.1f} s (cached in {path})")
     return verify
@@ -216,7 +145,7 @@ def draft_costs(model, options: list[tuple], depth_max: int, log=None) -> list[d
     base + the options' heads (their dtypes included). Heads of several dtypes are timed in one sitting, shape by
     shape in turn, so that a machine's drift between two measurements never decides between them."""
     path = _draft_cache_path(model, options)
-    saved = _load(path)
+    saved = cost_cache.load(path)
     if saved is not None and saved["depth_max"] >= depth_max and "0,1" in saved["heads"][0]:
         runs = saved["heads"]
     else:
@@ -227,7 +156,7 @@ def draft_costs(model, options: list[tuple], depth_max: int, log=None) -> list[d
             for costs, option in zip(measured, options):
                 costs.update(draft_seconds(model, [d], [k], head_and_graphs=option))
         runs = [{f"{d},{k}": s for (d, k), s in costs.items()} for costs in measured]
-        _save(path, {"depth_max": depth_max, "heads": runs})
+        cost_cache.save(path, {"depth_max": depth_max, "heads": runs})
         if log:
             heads = " and ".join(head.dtype_name for head, _ in options)
             log(f"tree tuner: measured {len(runs[0])} draft shapes ({heads} head{'s' if len(options) > 1 else ''}) "
@@ -238,19 +167,14 @@ def draft_costs(model, options: list[tuple], depth_max: int, log=None) -> list[d
 
 def _draft_cache_path(model, options: list[tuple]):
     """The draft costs' cache of `options` (head, graphs): keyed on the machine, the base and every option's head."""
-    in_use = model.ea_layer, model.compiled_draft
-    keys = []
-    for head, graphs in options:
-        model.ea_layer, model.compiled_draft = head, graphs
-        keys.append(_cache_key(model))
-    model.ea_layer, model.compiled_draft = in_use
-    return _cache_path(model).with_name(f"{hashlib.sha256('+'.join(keys).encode()).hexdigest()[:20]}-drafts.json")
+    keys = [cost_cache.key(model, draft=option) for option in options]
+    return cost_cache.path(model).with_name(f"{hashlib.sha256('+'.join(keys).encode()).hexdigest()[:20]}-drafts.json")
 
 
 def forget_costs(model) -> None:
     """Drop the cached costs of the model's forwards and draft steps as they run now (measured under load, say)."""
     options = model.draft_options or [(model.ea_layer, model.compiled_draft)]
-    for path in (_cache_path(model, "-verify", head=False), _draft_cache_path(model, options)):
+    for path in (cost_cache.path(model, "-verify", head=False), _draft_cache_path(model, options)):
         path.unlink(missing_ok=True)
 
 
@@ -279,13 +203,13 @@ def panel_tiling(model, log=None) -> quant_panels.Tiling:
     in interleaved rounds (the fastest round counts), and the least total wins. Measured once per machine + model,
     cached; the tiling in force is left as it was."""
     with quant_panels.tiled(quant_panels.default_tiling()):  # the cache key names the tiling measuring starts from
-        path = _cache_path(model, "-tiling", head=False)
-        saved = _load(path)
+        path = cost_cache.path(model, "-tiling", head=False)
+        saved = cost_cache.load(path)
         if saved is None:
             ms = interleaved_ms(model, quant_panels.tilings(), quant_panels.tiled, TILING_ROWS)
             best = min(ms, key=lambda t: sum(ms[t].values()))
             saved = {"tiling": list(best), "ms": [[list(t), {str(n): v for n, v in ms[t].items()}] for t in ms]}
-            _save(path, saved)
+            cost_cache.save(path, saved)
             if log:
                 log("panel kernel tilings (wide tiles up to rows, prefetch bytes), ms per base forward over "
                     + "/".join(map(str, TILING_ROWS)) + " rows: "
@@ -302,8 +226,8 @@ def few_row_plan(model, log=None) -> dict[int, str]:
     measurement, never a CPU flag."""
 
     base = model.base_model
-    path = _cache_path(model, "-few-row-plan")
-    saved = _load(path)
+    path = cost_cache.path(model, "-few-row-plan")
+    saved = cost_cache.load(path)
     if saved is None:
         in_force = few_rows.plan_of(base) or few_rows.DEFAULT_PLAN
 
@@ -317,7 +241,7 @@ def few_row_plan(model, log=None) -> dict[int, str]:
         finally:
             few_rows.set_plan(base, in_force)
         saved = {"ms": {k: {str(n): t for n, t in v.items()} for k, v in ms.items()}}
-        _save(path, saved)
+        cost_cache.save(path, saved)
         if log:
             log("few-row kernels, ms per base forward over " + "/".join(map(str, PLAN_ROWS)) + " rows: "
                 + "; ".join(f"{k} " + "/".join(f"{t:.0f}" for t in v.values()) for k, v in ms.items()))  # fmt: skip
@@ -329,166 +253,19 @@ def few_row_plan(model, log=None) -> dict[int, str]:
     return plan
 
 
-def compile_rounds(model, mode: str, log, swap=None) -> bool | None:
-    """Compiled base forwards (`compiled.py`) and draft steps (`compiled_draft.py`), on CUDA CUDA graphs of them
-    (`cuda_graphs.py`), for mode "on", or for "auto" where they measure faster than eager here (their forwards per
-    bucket, timed once per machine + model, cached).
-
-    Compiling takes minutes on a CPU (capturing CUDA graphs, seconds); the graphs are built and warmed beside the
-    eager model, then `swap(install)` is called: `install()` puts them in use (call it when no generation runs),
-    times them against eager the first time on this machine, keeps eager for "auto" if that is faster, and returns
-    whether they are in use (default: at once). Without `swap`, "auto" on a CPU compiles only once an earlier start
-    measured it (a load is not made to wait minutes by default); with one (the app, serving eagerly meanwhile), it
-    compiles to measure. Failures stay eager with one line in `log`. Returns whether the base's forwards are
-    compiled in the end, or what `swap` returns. Mode "inductor": "on", with inductor's kernels in the CUDA graphs
-    (runners.decode_graphs)."""
-    from . import runners
-
-    base = model.base
-    cuda = runners.on_cuda(base.lm_head)
-    BUCKETS = runners.base_buckets(cuda)  # noqa: N806
-    # keyed on the eager model, as it is before compiling, and on how it compiles (a change re-measures)
-    kernels = "inductor" if mode == "inductor" and cuda else ""  # CUDA graphs of inductor's kernels measure apart
-    how = hashlib.sha256(f"{compiled_options()}{BUCKETS}{kernels}".encode()).hexdigest()[:8]
-    path = _cache_path(model, f"-compiled-{how}")
-    saved = _load(path)
-    if mode == "auto" and saved is None and swap is None and not cuda:
-        log("compiled rounds: not measured on this machine yet (run once with --compile on, minutes the first "
-            "time); decoding eagerly")  # fmt: skip
-        return False
-    if mode == "auto" and saved is not None and not saved["compiled_pays"]:
-        return False
-    how_built = "CUDA graphs" if cuda else "inductor"
-    log(f"compiling the base's 1-row step and verify passes, then the draft steps ({how_built})")
-    try:
-        graphs = runners.decode_graphs(base, inductor=mode == "inductor")
-        graphs.warm(log)
-    except Exception as e:  # noqa: BLE001 - any compiler failure means: stay eager, say why
-        base.decompile()
-        log(f"compiling failed ({type(e).__name__}: {_first_line(e)}); decoding eagerly")
-        return False
-    drafts = _compiled_drafts(model, log)
-    shape = (model.tree.depth, model.tree.top_k)  # the tree that runs next (tune_tree may re-pick it after)
-    draft_path = _cache_path(model, f"-compiled-draft-{how}-{shape[0]}x{shape[1]}")
-
-    def install() -> bool:
-        nonlocal saved
-        eager_head = model.ea_layer
-        base.compiled = graphs
-        if drafts:  # the faster for the tree configured now; a tuned tree then picks among all (`tune`)
-            model.ea_layer, model.compiled_draft = _faster_draft(model, drafts, shape, draft_path, log)
-            model.draft_options = drafts
-        if saved is None:
-            saved = compiled_vs_eager(base)
-            _save(path, saved)
-            rows, ms = list(saved["ms"]["compiled"]), saved["ms"]
-            log("compiled vs eager, ms per forward over " + "/".join(map(str, rows)) + " rows: "
-                + "/".join(f"{ms['compiled'][n]:.0f}" for n in rows) + " vs "
-                + "/".join(f"{ms['eager'][n]:.0f}" for n in rows))  # fmt: skip
-        if not saved["compiled_pays"]:
-            if mode == "auto":
-                base.decompile()
-                model.ea_layer, model.compiled_draft, model.draft_options = eager_head, None, None
-                log("compiled forwards measured slower than eager here: decoding eagerly")
-                return False
-            log("note: compiled forwards measured slower than eager here; kept because --compile on")
-        return True
-
-    return install() if swap is None else swap(install)
-
-
-# a float32 head of at least this many bytes is also offered with its linears in GGUF blocks of QUANTIZED_HEAD's type
-# (smaller heads stay in the caches): Q4_1, 20 bytes per 32 weights, where Q8_0 reads 34 (BENCHMARKS.md compares them)
-QUANTIZED_HEAD_MIN_BYTES = 8 << 20
-QUANTIZED_HEAD = quant_panels.Q4_1
-
-
-def quantized_head_pays(base_dtype: torch.dtype, head) -> bool:
-    """Whether a float32 copy of `head` with QUANTIZED_HEAD blocks (few_rows.quantize) may draft faster: under a
-    float32 base on CPU, where the panel kernel runs, for a head whose float32 weights outgrow the caches."""
-
-    float32_bytes = 4 * sum(p.numel() for p in head.parameters())
-    return (base_dtype == torch.float32 and head.fc.weight.device.type == "cpu"
-            and float32_bytes >= QUANTIZED_HEAD_MIN_BYTES and "panel" in few_rows.usable_kernels())  # fmt: skip
-
-
-def _compiled_drafts(model, log) -> list[tuple]:
-    """(head, its CompiledDraft) in the head's dtype and, where that is not the base's (a bfloat16 head under a
-    float32 base, picked by eager timing), in the base's: compiled kernels rank the two otherwise than eager ones
-    (BENCHMARKS.md); and a float32 copy with QUANTIZED_HEAD blocks where `quantized_head_pays`. A head whose graphs
-    fail to compile is left out, with one line in `log`."""
-    import copy
-
-    heads = [model.ea_layer]
-    if model.ea_layer.fc.weight.dtype != model.base.dtype:
-        heads.append(copy.deepcopy(model.ea_layer).to(model.base.dtype))
-    if quantized_head_pays(model.base.dtype, heads[-1]):
-        # and in GGUF blocks: a draft step reads the head's weights at every level, a sixth of the bytes
-        quantized = copy.deepcopy(heads[-1])
-        few_rows.quantize(quantized, QUANTIZED_HEAD)
-        heads.append(quantized)
-    drafts = []
-    for head in heads:
-        try:
-            graphs = model.compile_draft(head=head)
-            graphs.warm(log)
-            drafts.append((head, graphs))
-        except Exception as e:  # noqa: BLE001 - as for the base: this dtype's draft steps stay eager
-            log(f"compiling the {head.dtype_name} draft steps failed ({type(e).__name__}: {_first_line(e)})")
-    if not drafts:
-        log("no compiled draft steps: drafting eagerly")
-    return drafts
-
-
-def _faster_draft(model, drafts: list[tuple], shape: tuple[int, int], path, log) -> tuple:
-    """The (head, CompiledDraft) whose draft phase for a tree of `shape` (depth, top_k) is faster here, timed once
-    (cached at path). The tree matters: which dtype drafts faster changes with its depth and width."""
-    if len(drafts) == 1:
-        return drafts[0]
-    names = [head.dtype_name for head, _ in drafts]
-    seconds = _load(path)
-    if seconds is None or set(seconds) != set(names):
-        seconds = {name: draft_seconds(model, [shape[0]], [shape[1]], repeats=9, head_and_graphs=d)[shape]
-                   for name, d in zip(names, drafts)}  # fmt: skip
-        _save(path, seconds)
-        log(f"compiled draft phase (depth {shape[0]}, width {shape[1]}): "
-            + ", ".join(f"{1e3 * s:.1f} ms in {n}" for n, s in seconds.items()))  # fmt: skip
-    return drafts[names.index(min(names, key=seconds.get))]
-
-
-def compiled_vs_eager(base) -> dict:
-    """ms per forward over each bucket's rows with the compiled graphs in use and without them."""
-    rows = list(base.compiled.buckets)
-    ms = {"compiled": {n: 1e3 * t for n, t in base.pass_seconds(rows).items()}}
-    compiled, base.compiled = base.compiled, None
-    try:
-        ms["eager"] = {n: 1e3 * t for n, t in base.pass_seconds(rows).items()}
-    finally:
-        base.compiled = compiled
-    return {"ms": ms, "compiled_pays": sum(ms["compiled"].values()) < sum(ms["eager"].values())}
-
-
-def _first_line(e: Exception) -> str:
-    return str(e).splitlines()[0] if str(e) else ""
-
-
 def faster_draft_dtype(model, candidate: torch.dtype = torch.bfloat16, log=None) -> torch.dtype:
     """The head's own dtype or `candidate`, whichever drafts faster here (a depth-3, width-4 draft phase timed in
     each; cached like the costs). Lossless either way: the head only proposes, the base verifies."""
     import copy
 
     own = model.ea_layer.fc.weight.dtype
-    path = _cache_path(model, f"-draft-{str(candidate).replace('torch.', '')}")
-    seconds = _load(path)
+    path = cost_cache.path(model, f"-draft-{str(candidate).replace('torch.', '')}")
+    seconds = cost_cache.load(path)
     if seconds is None:
-        head = model.ea_layer
-        seconds = {"own": draft_seconds(model, [3], [4], repeats=9)[(3, 4)]}
-        try:
-            model.ea_layer = copy.deepcopy(head).to(candidate)
-            seconds["candidate"] = draft_seconds(model, [3], [4], repeats=9)[(3, 4)]
-        finally:
-            model.ea_layer = head
-        _save(path, seconds)
+        other = (copy.deepcopy(model.ea_layer).to(candidate), None)
+        seconds = {"own": draft_seconds(model, [3], [4], repeats=9)[(3, 4)],
+                   "candidate": draft_seconds(model, [3], [4], repeats=9, head_and_graphs=other)[(3, 4)]}  # fmt: skip
+        cost_cache.save(path, seconds)
         if log:
             log(f"draft phase (depth 3, width 4): {1e3 * seconds['own']:.1f} ms in {own}, "
                 f"{1e3 * seconds['candidate']:.1f} ms in {candidate}")  # fmt: skip
@@ -511,7 +288,7 @@ def interpolated(costs: dict[int, float], rows: int) -> float:
 def tune(model, accept: list[list[float]], log=None, context: dict | None = None) -> TreeChoice:
     """Measure (or read the cached) costs and pick the tree for `model` with acceptance profile `accept`; where
     compiling left draft heads in two dtypes (`model.draft_options`), the tree and the dtype together, on the same
-    verify costs: the pick's head and graphs become the model's. With a context profile (context_draft.py), also
+    verify costs (the choice's `option` says which: the caller puts it in use). With a context profile (context_draft.py), also
     the context chains' sizes for that tree on the same verify costs (those of passes timed at their own rows:
     with compiled forwards, the graphs' rows; the rest pad to a graph's or run eagerly), for float32 linears up to
     the most rows timed."""
@@ -519,13 +296,12 @@ def tune(model, accept: list[list[float]], log=None, context: dict | None = None
     options = model.draft_options or [(model.ea_layer, model.compiled_draft)]
     verify = verify_costs(model, log)
     best = None
-    for (head, graphs), draft in zip(options, draft_costs(model, options, len(accept), log)):
+    for option, ((head, _), draft) in enumerate(zip(options, draft_costs(model, options, len(accept), log))):
         choice = pick_tree(accept, verify, {key: s for key, s in draft.items() if key[1] <= widest})
-        choice = replace(choice, draft_dtype=head.dtype_name)
-        if best is None or choice.tokens_per_s > best[0].tokens_per_s:
-            best = (choice, head, graphs)
-    model.ea_layer, model.compiled_draft = best[1], best[2]
-    choice = best[0]
+        choice = replace(choice, draft_dtype=head.dtype_name, option=option)
+        if best is None or choice.tokens_per_s > best.tokens_per_s:
+            best = choice
+    choice = best
     if context is not None:
         n, compiled = choice.total_token, model.base.compiled
         exact = {rows: s for rows, s in verify.items() if compiled is None or compiled.bucket(rows) == rows}
