@@ -288,15 +288,16 @@ def interpolated(costs: dict[int, float], rows: int) -> float:
 def tune(model, accept: list[list[float]], log=None, context: dict | None = None) -> TreeChoice:
     """Measure (or read the cached) costs and pick the tree for `model` with acceptance profile `accept`; where
     compiling left draft heads in two dtypes (`model.draft_options`), the tree and the dtype together, on the same
-    verify costs (the choice's `option` says which: the caller puts it in use). With a context profile (context_draft.py), also
-    the context chains' sizes for that tree on the same verify costs (those of passes timed at their own rows:
-    with compiled forwards, the graphs' rows; the rest pad to a graph's or run eagerly), for float32 linears up to
-    the most rows timed."""
+    verify costs (the choice's `option` says which; the caller puts it in use). With a context profile
+    (context_draft.py), also the context chains' sizes for that tree on the same verify costs (those of passes timed
+    at their own rows: with compiled forwards, the graphs' rows; the rest pad to a graph's or run eagerly), for
+    float32 linears up to the most rows timed."""
     widest = len(accept[0])
     options = model.draft_options or [(model.ea_layer, model.compiled_draft)]
     verify = verify_costs(model, log)
     best = None
-    for option, ((head, _), draft) in enumerate(zip(options, draft_costs(model, options, len(accept), log))):
+    drafts = draft_costs(model, options, len(accept), log)
+    for option, ((head, _), draft) in enumerate(zip(options, drafts)):
         choice = pick_tree(accept, verify, {key: s for key, s in draft.items() if key[1] <= widest})
         choice = replace(choice, draft_dtype=head.dtype_name, option=option)
         if best is None or choice.tokens_per_s > best.tokens_per_s:
