@@ -71,10 +71,15 @@ def key(model, head: bool = True, draft: tuple | None = None) -> str:
     return hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()[:20]
 
 
-def path(model, suffix: str = "", head: bool = True, draft: tuple | None = None):
+def folder():
+    """Where the measurements are kept."""
     from eagle.fetch import cache_dir
 
-    return cache_dir() / "tuner" / f"{key(model, head, draft)}{suffix}.json"
+    return cache_dir() / "tuner"
+
+
+def path(model, suffix: str = "", head: bool = True, draft: tuple | None = None):
+    return folder() / f"{key(model, head, draft)}{suffix}.json"
 
 
 def load(file) -> dict | None:

@@ -168,7 +168,7 @@ def draft_costs(model, options: list[tuple], depth_max: int, log=None) -> list[d
 def _draft_cache_path(model, options: list[tuple]):
     """The draft costs' cache of `options` (head, graphs): keyed on the machine, the base and every option's head."""
     keys = [cost_cache.key(model, draft=option) for option in options]
-    return cost_cache.path(model).with_name(f"{hashlib.sha256('+'.join(keys).encode()).hexdigest()[:20]}-drafts.json")
+    return cost_cache.folder() / f"{hashlib.sha256('+'.join(keys).encode()).hexdigest()[:20]}-drafts.json"
 
 
 def forget_costs(model) -> None:
