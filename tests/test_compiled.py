@@ -132,20 +132,6 @@ def test_compile_auto_follows_the_measurement_and_failures_stay_eager(folder, mo
         load("yes")
 
 
-def test_graphs_trace_attention_with_key_value_heads_shared_not_copied(monkeypatch):
-    """While a graph traces, transformers' SDPA attention takes `enable_gqa` with the tree mask (not `repeat_kv`,
-    a copy of every key/value head per query head); the setting is the scope's alone. Fails if transformers drops
-    the switch (compiled.kv_heads_shared then needs another way)."""
-    from transformers.integrations.sdpa_attention import use_gqa_in_sdpa
-
-    monkeypatch.delenv("TRANSFORMERS_SDPA_FORCE_GQA", raising=False)
-    mask, kv = torch.zeros(1, 1, 8, 24), torch.zeros(1, 2, 24, 16)
-    assert not use_gqa_in_sdpa(mask, kv, kv)
-    with compiled.kv_heads_shared():
-        assert use_gqa_in_sdpa(mask, kv, kv)
-    assert not use_gqa_in_sdpa(mask, kv, kv)
-
-
 def test_inductor_cache_goes_to_the_project_cache_unless_the_user_chose_one(monkeypatch, tmp_path):
     from torch._inductor.runtime.cache_dir_utils import cache_dir, default_cache_dir
 

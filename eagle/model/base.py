@@ -16,7 +16,7 @@ import contextlib
 import torch
 from torch import nn
 
-from . import few_rows
+from . import few_rows, shared_kv_sdpa
 from .kv_cache import TreeKVCache
 from .logits import logit_transform
 from .masks import additive_mask
@@ -50,6 +50,8 @@ class BaseModel:
         self.dtype = self.lm_head.weight.dtype
         self.input_device = model.get_input_embeddings().weight.device
         self.logit_transform = logit_transform(model.config)  # None = the lm_head's logits are the model's
+        if self.input_device.type == "cpu":  # SDPA sharing each key/value head among its query heads, not copying it
+            shared_kv_sdpa.install(model)
         if few_row_plan is not False:  # float32 CPU layers: faster decode-sized matmuls (see few_rows.py)
             few_rows.install(model, few_row_plan or None)
         self.compiled = None  # the forwards' graphs in use (runners.decode_graphs builds them)

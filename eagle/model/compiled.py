@@ -32,7 +32,6 @@ CUDA, runners.py builds CUDA graphs instead (cuda_graphs.py). BENCHMARKS.md has 
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import itertools
 import os
@@ -91,23 +90,6 @@ def freeze_without_mkl_packing() -> None:
         freezing_patterns.lazy_init()
     finally:
         torch.backends.mkldnn.enabled = enabled
-
-
-@contextlib.contextmanager
-def kv_heads_shared():
-    """transformers' SDPA attention, while graphs trace, with each key/value head shared by its query heads
-    (`enable_gqa`) instead of copied to every one (`repeat_kv`, which it does in graphs with a mask): the same logits
-    bit for bit, without the copies. Its switch is the variable TRANSFORMERS_SDPA_FORCE_GQA, read where the
-    attention runs; an eager forward on another thread meanwhile takes the same path (the same product)."""
-    before = os.environ.get("TRANSFORMERS_SDPA_FORCE_GQA")
-    os.environ["TRANSFORMERS_SDPA_FORCE_GQA"] = "1"
-    try:
-        yield
-    finally:
-        if before is None:
-            del os.environ["TRANSFORMERS_SDPA_FORCE_GQA"]
-        else:
-            os.environ["TRANSFORMERS_SDPA_FORCE_GQA"] = before
 
 
 def bucket_for(rows: int, buckets=BUCKETS) -> int | None:
@@ -215,7 +197,7 @@ class BucketGraphs:
 
         def first(*args):
             try:
-                with torch._inductor.config.patch(options), kv_heads_shared():
+                with torch._inductor.config.patch(options):
                     graph = aot_store.compile_and_save(self.fn, args, name, description)
             except Exception as e:  # noqa: BLE001 - traced the usual way instead (`call`)
                 raise AotUnavailable(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e
@@ -238,9 +220,7 @@ class BucketGraphs:
             # a config scope, not torch.compile's options=: freezing is decided while dynamo traces, before
             # those options apply (with them the weights stayed graph inputs and the GEMMs plain MKL calls)
             with torch._inductor.config.patch(options), torch.compiler.config.patch(cache_key_tag=tag):
-                # every call, not only the tracing one: dynamo guards on the variable, so a call outside the
-                # scope would fail its graph's guards and trace another
-                with kv_heads_shared(), torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
+                with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
                     return graph(*args)
 
         return call

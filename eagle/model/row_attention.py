@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from . import panel_kernel
+from . import panel_kernel, shared_kv_sdpa
 
 NAME = "eagle_rows"  # the attention implementation's name in transformers' registries
 
@@ -27,13 +27,10 @@ NAME = "eagle_rows"  # the attention implementation's name in transformers' regi
 def attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
     """transformers' attention-function interface: query [b, Hq, q, D], key and value [b, Hkv, L, D], the mask
     additive or bool [b, 1, q, >= L] or None (causal) -> ([b, q, Hq, D], None). The operator where it applies (one
-    sequence, float32 on the CPU, keys and values of one width), else transformers' SDPA (a batch of padded prompts,
-    another dtype, a base whose values are narrower than its keys)."""
+    sequence, float32 on the CPU, keys and values of one width), else SDPA with shared key/value heads
+    (shared_kv_sdpa.py: a batch of padded prompts, another dtype, a base whose values are narrower than its keys)."""
     if dropout != 0.0 or not applies(query, key, value, attention_mask):
-        from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      **kwargs)  # fmt: skip
+        return shared_kv_sdpa.attention(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     return torch.ops.eagle.row_attention(query, key, value, attention_mask, scale), None
 
