@@ -271,3 +271,22 @@ def test_with_heads_of_two_dtypes_the_tuner_picks_tree_and_dtype_together(folder
     level_s[torch.float32] = 0.001  # now float32 drafts faster
     model.tune_tree()
     assert model.tree_choice.draft_dtype == "float32" and model.ea_layer is fp32
+
+
+def test_verify_costs_are_timed_with_the_row_counts_taking_turns(monkeypatch):
+    """A VM's speed drifts within minutes: row counts timed in blocks one after another would carry that drift into
+    their ratios, which pick the tree. Each repeat times every row count once, and each call sees the same cache."""
+    from eagle.model.base import BaseModel
+
+    base = BaseModel(tiny_base("llama", layers=1), eagle3=False, few_row_plan=False)
+    calls, forward = [], base.forward
+
+    def recorded(input_ids, position_ids, cache, **kw):
+        if input_ids.shape[1] <= 8:  # not the prefill
+            calls.append((input_ids.shape[1], cache.length))
+        return forward(input_ids, position_ids, cache, **kw)
+
+    monkeypatch.setattr(base, "forward", recorded)
+    seconds = base.pass_seconds([1, 4, 8], context=16, repeats=3)
+    assert calls == [(1, 16), (4, 16), (8, 16)] * 4  # an untimed first turn, then three timed ones
+    assert sorted(seconds) == [1, 4, 8] and all(s > 0 for s in seconds.values())
