@@ -43,7 +43,7 @@ def stop_token_ids(tokenizer=None, *configs) -> set[int]:
     for source in (*configs, tokenizer):
         eos = getattr(source, "eos_token_id", None)
         ids.update(eos if isinstance(eos, (list, tuple)) else [] if eos is None else [eos])
-    if tokenizer is not None:  # token by token: building the whole vocabulary (get_vocab) takes ~40 ms
+    if tokenizer is not None:  # token by token, not through get_vocab (a dict of the whole vocabulary)
         for token in END_OF_TURN_TOKENS:
             i = tokenizer.convert_tokens_to_ids(token)
             if isinstance(i, int) and tokenizer.convert_ids_to_tokens(i) == token:  # absent tokens map to unk

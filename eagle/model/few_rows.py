@@ -2,27 +2,26 @@
 
 A decode step or a tree verification streams every weight of the base once for a handful of rows, so its speed
 is memory bandwidth, and which kernel streams best depends on the CPU and the row count:
-- "linear": F.linear (MKL's GEMV for one row, its GEMM otherwise; the GEMM repacks the weight on every call, which
-  makes 8 and 16 rows cost 2.5-5x one row);
-- "wxt": W @ x^T, the weight as the left operand (2 or more columns; odd counts get one repeated column). On an
-  AMD EPYC it took a 1-row forward of SmolLM2-135M from 43 to 27 ms; on an Intel Xeon it lost;
+- "linear": F.linear (MKL's GEMV for one row, its GEMM otherwise; the GEMM repacks the weight on every call, so
+  its cost grows with the rows);
+- "wxt": W @ x^T, the weight as the left operand (2 or more columns; odd counts get one repeated column): faster
+  than "linear" on some CPUs, slower on others;
 - "packed": MKL's packed GEMM on a weight packed once at load for PACKED_ROWS rows (inputs padded with zero rows):
-  the weight is streamed once with no repacking, so 16 rows cost about 1.4x one row. It keeps a second copy of
-  every weight (the default 135M model: +538 MB), so it is used only while that copy fits in 30% of the memory
-  available (else those rows take F.linear);
+  the weight is streamed once with no repacking, whatever the rows. It keeps a second copy of every weight (the
+  default 135M model: +538 MB), so it is used only while that copy fits in 30% of the memory available (else those
+  rows take F.linear);
 - "panel": the project's own kernel (panel_kernel.py, built at first use) on a weight stored once as column
   panels: every weight streamed once per forward at the machine's bandwidth, the rows' multiply-adds in vector
-  registers meanwhile, so 8 rows cost about one (an AMD EPYC Zen 5, 2 threads, 141 MB of the default model's
-  layer shapes: 1 / 8 / 16 rows 1.7-2.1 / 1.8-2.3 / 2.9-3.5 ms, F.linear 8.2 / 12.6 / 16.3). Its panels are a second
-  copy of each weight, kept only while it fits as "packed"'s is; it is also the kernel inside compiled graphs
-  (compiled.py), where inductor calls it as an operator. A layer whose base names a GGUF (quant_gguf.py: the
-  embedded default at its own precision, `--weights q4_1`) has its GGUF blocks (`gguf`) and its panels made of
-  them: a kernel of the same layout reading 4-bit (Q4_1) or 8-bit (Q8_0) blocks as integers, its inputs rounded to
-  8 bits a block (quant_linear.cpp, quant_panels.INPUT_BITS); such a model's plan defaults to
-  "panel" for every row count.
-A *plan* maps each row count to a kernel: `DEFAULT_PLAN` without a measurement, or the fastest kernel per row
-count as timed on this machine (`tuner.few_row_plan`). Rows beyond MAX_ROWS take F.linear, except in layers with
-GGUF blocks, which take their kernel at every row count (one arithmetic for prefill, steps and verify passes).
+  registers meanwhile, so a few rows cost about what one does. Its panels are a second copy of each weight, kept
+  only while it fits as "packed"'s is; it is also the kernel inside compiled graphs (compiled.py), where inductor
+  calls it as an operator. A layer whose base names a GGUF (quant_gguf.py: the embedded default at its own
+  precision, `--weights q4_1`) has its GGUF blocks (`gguf`) and its panels made of them: a kernel of the same layout
+  reading 4-bit (Q4_1) or 8-bit (Q8_0) blocks as integers, its inputs rounded to 8 bits a block (quant_linear.cpp,
+  quant_panels.INPUT_BITS); such a model's plan defaults to "panel" for every row count.
+Their timings per CPU are in BENCHMARKS.md. A *plan* maps each row count to a kernel: `DEFAULT_PLAN` without a
+measurement, or the fastest kernel per row count as timed on this machine (`tuner.few_row_plan`). Rows beyond
+MAX_ROWS take F.linear, except in layers with GGUF blocks, which take their kernel at every row count (one
+arithmetic for prefill, steps and verify passes).
 
 The results equal F.linear up to float32 rounding (a different summation order), the same kind of difference a
 batched tree verification already has against one-row decoding. The plan applies only inside `few_row_kernels()`
@@ -127,7 +126,7 @@ class FewRowLinear(nn.Linear):
         else:
             if rows % 2:
                 flat = torch.cat((flat, flat[:1]))  # [rows + 1, in]: an even column count
-            # x^T as the transposed view of a row-major x: a row-major [in, rows] operand took a 3x slower MKL
+            # x^T as the transposed view of a row-major x: a row-major [in, rows] operand takes a slower MKL
             # kernel (down_proj's input, when it was an earlier output's view). The result is row-major.
             out = torch.mm(self.weight, flat.contiguous().T)[:, :rows].T  # [rows, out]
             if self.bias is not None:
