@@ -1,13 +1,13 @@
 """transformers' SDPA attention with each key/value head shared by its query heads (`enable_gqa`), not copied to
 every one of them (`repeat_kv`, which transformers' own SDPA does whenever a mask is given, as in every tree pass):
 the same products without the copies. Registered with transformers under NAME; `install(model)` switches a model
-whose attention is transformers' "sdpa" to it (the CPU's compiled graphs, compiled.py). Not for CUDA, where a masked
-call with shared heads would fall back to SDPA's math kernel. row_attention.py falls back to it too.
+whose attention is transformers' "sdpa" to it, as BaseModel does for a base on the CPU (its eager forwards and its
+compiled graphs alike). Not for CUDA, where a masked call with shared heads would fall back to SDPA's math kernel.
+row_attention.py falls back to it too.
 """
 
 from __future__ import annotations
 
-import torch
 import torch.nn.functional as F
 from torch import nn
 
