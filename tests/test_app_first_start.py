@@ -80,9 +80,10 @@ def check_pairs(client, forwards: str, per_reply: bool = True, medians: float = 
     median within `medians`, and the reruns' vanilla at least `rerun` x the idle reference's. The measured side is a
     median because one rerun is a sample of the machine's speed as much as the shown figure is: on a 2-core VM the
     same prompt's measured speedup moves by a fifth between reruns minutes apart (BENCHMARKS.md, "The 2-node tree's
-    round on a Zen 3; the first start again"), which says nothing of the figure the page showed. Looser while a compile is under way: then replies swing by a fifth
-    to a third between runs seconds apart, EAGLE's as much as vanilla's (BENCHMARKS.md, "A reply's speedup against
-    vanilla timed beside it"), so one run's figure cannot match another run's that closely."""
+    round on a Zen 3; the first start again"), which says nothing of the figure the page showed. Looser while a
+    compile is under way: then replies swing by a fifth to a third between runs seconds apart, EAGLE's as much as
+    vanilla's (BENCHMARKS.md, "A reply's speedup against vanilla timed beside it"), so one run's figure cannot match
+    another run's that closely."""
     deadline = time.monotonic() + 300
     while not ask(client)["speedup"]:  # until a reply ends with a figure (its check on these forwards)
         assert time.monotonic() < deadline, "no vanilla reference after 300 s"

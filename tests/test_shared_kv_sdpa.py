@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny import tiny_base
 from torch import nn
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from eagle.model import shared_kv_sdpa
 from eagle.model.base import BaseModel
-from tests.tiny import tiny_base
 
 
 class Layer(nn.Module):

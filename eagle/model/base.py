@@ -12,7 +12,6 @@ its `*ForCausalLM.forward` computes them; a base whose forward does something el
 from __future__ import annotations
 
 import contextlib
-import statistics
 
 import torch
 from torch import nn
@@ -21,7 +20,7 @@ from . import few_rows, shared_kv_sdpa
 from .kv_cache import TreeKVCache
 from .logits import logit_transform
 from .masks import additive_mask
-from .timing import timed
+from .timing import seconds_in_turns
 
 
 def eagle3_feature_layers(num_layers: int) -> tuple[int, int, int]:
@@ -168,19 +167,15 @@ class BaseModel:
     @torch.inference_mode()
     def pass_seconds(self, rows: list[int], context: int = 256, repeats: int = 5) -> dict[int, float]:
         """Median wall time of a forward over n new tokens after `context` cached ones for each n in `rows`:
-        a vanilla step for n = 1, a verify pass (features included) otherwise. The row counts take turns, one call
-        each per repeat after an untimed first turn, so a drift of the machine's speed (a VM's moves by a fifth
-        within minutes) hits them alike and their ratios hold."""
+        a vanilla step for n = 1, a verify pass (features included) otherwise; the row counts take turns
+        (`seconds_in_turns`)."""
         ids = torch.randint(0, self.vocab_size, (1, context + max(rows)))
-        times: dict[int, list[float]] = {n: [] for n in rows}
         device = self.lm_head.weight.device
         with self.leased_cache(context + max(rows)) as cache:
             self.forward(ids[:, :context], torch.arange(context)[None], cache, features=False, last_logits_only=True)
-            for turn in range(repeats + 1):
-                for n in rows:
-                    new, positions = ids[:, context : context + n], torch.arange(context, context + n)[None]
-                    _, seconds = timed(device, lambda: self.forward(new, positions, cache, features=n > 1))
-                    cache.crop_to(context)
-                    if turn:
-                        times[n].append(seconds)
-        return {n: statistics.median(t) for n, t in times.items()}
+
+            def call(n: int):
+                new, positions = ids[:, context : context + n], torch.arange(context, context + n)[None]
+                return lambda: self.forward(new, positions, cache, features=n > 1)
+
+            return seconds_in_turns(device, {n: call(n) for n in rows}, repeats, after=lambda: cache.crop_to(context))

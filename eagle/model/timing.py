@@ -3,6 +3,7 @@ visible GPU, since a model spread by a device_map queues work on all of them."""
 
 from __future__ import annotations
 
+import statistics
 import time
 from typing import Callable
 
@@ -38,3 +39,18 @@ def repeated_seconds(device: torch.device, fn: Callable, repeats: int, after: Ca
         if i:
             times.append(seconds)
     return sorted(times)
+
+
+def seconds_in_turns(device: torch.device, calls: dict, repeats: int, after: Callable | None = None) -> dict:
+    """Median seconds of each of `calls` (key -> fn), the calls taking turns: one of each per repeat after an untimed
+    first turn, so that a drift of the machine's speed (a VM's moves by a fifth within minutes) hits them alike and
+    their ratios hold. `after` runs (untimed) after every call."""
+    times = {key: [] for key in calls}
+    for turn in range(repeats + 1):
+        for key, fn in calls.items():
+            _, seconds = timed(device, fn)
+            if after is not None:
+                after()
+            if turn:
+                times[key].append(seconds)
+    return {key: statistics.median(t) for key, t in times.items()}
