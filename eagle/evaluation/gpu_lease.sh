@@ -3,8 +3,9 @@
 # output folder); each stage is bounded so that the whole fits a 10-minute call. Results come back as
 # $OUT/env.log, $OUT/stages.log (every stage's output) and $OUT/{smollm2,llama,hf}/gpu_costs.json: the graphed round
 # (cuda_round.py) beside the forwards' graphs alone, per tree, the GPU tests, HF's compiled static-cache generate.
-# transformers' tested minor travels as a wheel in .whl/ (the image's is older; requirements.txt), fetched here with
-#   pip download --no-deps --only-binary=:all: --python-version 3.12 -d .whl transformers==5.23.0
+# transformers' tested minor and gguf (the image has none; `real` converts the GGUF with it) travel as wheels in .whl/,
+# fetched here with
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 -d .whl transformers==5.23.0 gguf==0.19.0
 # and named in the call's carry: run(command="bash eagle/evaluation/gpu_lease.sh [costs|inductor]", carry=[".whl"]).
 #
 # The embedded default with its real weights (`real`): its GGUF (94 MiB) does not fit one call's 64 MiB beside the
@@ -14,8 +15,8 @@
 #   run("bash eagle/evaluation/gpu_lease.sh part", carry=[".gpu/p2"])
 #   run("bash eagle/evaluation/gpu_lease.sh real", carry=[".gpu/p3"])
 # `real` joins the parts, converts the base (as the app's first start does) and runs the bench as the app decodes
-# (CUDA graphs) at 60/7/10, the round-by-round tool (cuDNN attention off, and on again), the bench at 16/4/4;
-# results in $OUT/{b60,rounds,rounds_cudnn,b16} and $OUT/stages.log (HF `generate`: `bench --methods hf`).
+# (CUDA graphs) at 60/7/10, the round-by-round tool (cuDNN attention off), the bench at 16/4/4;
+# results in $OUT/{b60,rounds,b16} and $OUT/stages.log (HF `generate`: `bench --methods hf`).
 set -u
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 if [ "${1:-}" = pack ]; then  # here: the GGUF in three parts (.gpu is ignored through .git/info/exclude)
@@ -62,8 +63,6 @@ if [ "${1:-costs}" = real ]; then  # call 3 of three: the parts joined, the embe
     --out "$OUT/b60"
   stage rounds 100 python3 -m eagle.evaluation.round_times --question-file .gpu/p3/question.jsonl --limit 4 \
     --max-new-tokens 256 --compile on --total-token 60 --depth 7 --top-k 10 --out "$OUT/rounds"
-  stage rounds_cudnn 100 python3 -m eagle.evaluation.round_times --question-file .gpu/p3/question.jsonl --limit 4 \
-    --max-new-tokens 256 --compile on --total-token 60 --depth 7 --top-k 10 --cudnn-attention --out "$OUT/rounds_cudnn"
   stage b16 120 python3 -m eagle.evaluation.bench $Q --methods vanilla,eagle --total-token 16 --depth 4 --top-k 4 \
     --out "$OUT/b16"
   rm -f "$OUT"/*/bench.png "$OUT"/*/bench.md  # a call brings back 8 files: the JSONs and logs (tables in stages.log)
