@@ -60,6 +60,38 @@ def test_a_row_over_masked_gaps_equals_the_row_over_its_keys_alone():
 
 
 @needs_kernel
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_trees_rows_split_in_tasks_over_their_shared_context_equal_each_row_alone(threads):
+    """Many rows over one context: row 0's chunks are shared by the rows with the same keys, and such a group is
+    split in tasks of fewer rows to balance the threads. However the rows are split and whatever the threads, each
+    row equals, bit for bit, the row over its keys alone; the additive mask's blocked values (finfo.min and -inf,
+    mixed) hide keys as a bool mask does."""
+    g = torch.Generator().manual_seed(threads)
+    rows, context = 16, 300
+    length = context + rows
+    q = torch.randn(1, H, rows, D, generator=g)
+    k, v = torch.randn(1, HKV, length, D, generator=g), torch.randn(1, HKV, length, D, generator=g)
+    allowed = torch.zeros(rows, length, dtype=torch.bool)
+    allowed[:, :context] = True
+    allowed[:, context:] = torch.rand(rows, rows, generator=g).tril() < 0.5  # tree-like: earlier rows, some
+    allowed[torch.arange(rows), context + torch.arange(rows)] = True
+    additive = additive_mask(allowed, torch.float32)
+    additive[0, 0, ::2][additive[0, 0, ::2] < 0] = float("-inf")
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = torch.ops.eagle.row_attention(q, k, v, additive, D**-0.5)
+        assert torch.equal(torch.ops.eagle.row_attention(q, k, v, allowed[None, None], D**-0.5), out)
+        for i in range(rows):
+            keys = allowed[i].nonzero()[:, 0]
+            alone = torch.ops.eagle.row_attention(q[:, :, i : i + 1], k[:, :, keys], v[:, :, keys], None, D**-0.5)
+            assert torch.equal(alone[0, 0], out[0, i])
+    finally:
+        torch.set_num_threads(before)
+    torch.testing.assert_close(out.double(), sdpa(q, k, v, allowed), rtol=0, atol=2e-6)
+
+
+@needs_kernel
 @pytest.mark.parametrize("length", [129, 300, 1030])
 def test_a_long_row_in_chunks_is_sdpa_and_the_row_over_its_keys_alone(length):
     """Past 128 keys a row's keys are split in chunks (tasks of their own): still SDPA, and still batch invariant:

@@ -27,6 +27,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <memory>
 #include <vector>
 
 namespace {
@@ -283,6 +284,41 @@ void attend_chunk_at(const float* const* q, int64_t G, const float* kg, const fl
                      ostride);
 }
 
+// n elements of scratch, left uninitialised (each is written before it is read)
+template <class T>
+static std::unique_ptr<T[]> uninitialized(int64_t n) {
+  return std::unique_ptr<T[]>(new T[n]);
+}
+
+// A row's allowed keys in cache order (keys[0..n)) and their mask values (added), n returned: with an additive mask
+// (additive, L values) those above BLOCKED; with a bool one those set; with none (causal) 0..last. keys and added
+// take L + VL values (whole vectors are stored past the last allowed key).
+static int64_t allowed_keys(const float* additive, const bool* allowed, int64_t L, int64_t last, int64_t* keys,
+                            float* added) {
+  int64_t n = 0, j = 0;
+  if (additive) {
+#ifdef __AVX512F__
+    const __m512i lanes_lo = _mm512_setr_epi64(0, 1, 2, 3, 4, 5, 6, 7);
+    const __m512i lanes_hi = _mm512_setr_epi64(8, 9, 10, 11, 12, 13, 14, 15);
+    for (; j + 16 <= L; j += 16) {  // 16 keys at a time, the allowed ones packed to the front of each vector
+      const __m512 a = _mm512_loadu_ps(additive + j);
+      const __mmask16 k = _mm512_cmp_ps_mask(a, _mm512_set1_ps(BLOCKED), _CMP_GT_OQ);
+      const __m512i at = _mm512_set1_epi64(j);
+      const int low = __builtin_popcount(k & 0xff);
+      _mm512_storeu_ps(added + n, _mm512_maskz_compress_ps(k, a));
+      _mm512_storeu_si512(keys + n, _mm512_maskz_compress_epi64(__mmask8(k), _mm512_add_epi64(at, lanes_lo)));
+      _mm512_storeu_si512(keys + n + low,
+                          _mm512_maskz_compress_epi64(__mmask8(k >> 8), _mm512_add_epi64(at, lanes_hi)));
+      n += __builtin_popcount(k);
+    }
+#endif
+    for (; j < L; j++) keys[n] = j, added[n] = additive[j], n += additive[j] > BLOCKED;
+  } else {
+    for (; j < L; j++) keys[n] = j, added[n] = 0.f, n += allowed ? allowed[j] : j <= last;
+  }
+  return n;
+}
+
 at::Tensor row_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                          const std::optional<at::Tensor>& mask, double scale) {
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && q.size(0) == 1 && k.size(0) == 1 && v.size(0) == 1,
@@ -323,16 +359,12 @@ at::Tensor row_attention(const at::Tensor& q, const at::Tensor& k, const at::Ten
   // each row's allowed keys, in cache order, and their mask values (shared by the row's heads); causal (no mask):
   // j <= L - M + i. Row i's keys are split in chunks of `size[i]` keys (a multiple of VL; its key count alone
   // decides it) and each chunk is a task per key/value head: chunks(i) * Hkv tasks, numbered from first[i].
-  std::vector<int64_t> keys(M * L), count(M), chunks(M), size(M), first(M + 1);
-  std::vector<float> added(M * L);
+  std::vector<int64_t> count(M), chunks(M), size(M), first(M + 1);
+  const auto keys = uninitialized<int64_t>(M * L + VL);  // VL more: allowed_keys stores whole vectors
+  const auto added = uninitialized<float>(M * L + VL);
   for (int64_t i = 0; i < M; i++) {
-    int64_t n = 0;
-    for (int64_t j = 0; j < L; j++) {
-      const float a = mf ? mf[i * lm + j] : 0.f;
-      const bool allowed = mf ? a > BLOCKED : mb ? mb[i * lm + j] : j <= L - M + i;
-      if (allowed) keys[i * L + n] = j, added[i * L + n] = a, n++;
-    }
-    count[i] = n;
+    const int64_t n = count[i] = allowed_keys(mf ? mf + i * lm : nullptr, mb ? mb + i * lm : nullptr, L, L - M + i,
+                                              keys.get() + i * L, added.get() + i * L);
     const int64_t parts = std::max<int64_t>(1, (n + CHUNK - 1) / CHUNK);
     size[i] = std::max<int64_t>(VL, ((n + parts - 1) / parts + VL - 1) / VL * VL);
     chunks[i] = std::max<int64_t>(1, (n + size[i] - 1) / size[i]);
@@ -341,7 +373,8 @@ at::Tensor row_attention(const at::Tensor& q, const at::Tensor& k, const at::Ten
   const int64_t G = H / Hkv, sstride = CHUNK + VL, ostride = D + VL, slots = first[M];
   // per (row, key/value head, chunk) slot and query head: the chunk's max score, its sum of exponentials, its
   // unnormalised output
-  std::vector<float> tops(slots * G), totals(slots * G), outs(slots * G * ostride);
+  const auto tops = uninitialized<float>(slots * G), totals = uninitialized<float>(slots * G),
+             outs = uninitialized<float>(slots * G * ostride);
   const auto slot_of = [&](int64_t i, int64_t g, int64_t j) { return first[i] + g * chunks[i] + j; };
   // Rows whose chunk j is row 0's (the same keys and mask values: a tree's rows over their shared prefix) share one
   // task per key/value head, which reads each key and value row once for all of them (each row's arithmetic is the
@@ -350,8 +383,8 @@ at::Tensor row_attention(const at::Tensor& q, const at::Tensor& k, const at::Ten
   auto same_chunk = [&](int64_t i, int64_t j) {
     const int64_t c0 = j * size[0], n = std::min(count[0] - c0, size[0]);
     return j < chunks[i] && size[i] == size[0] && std::min(count[i] - c0, size[i]) == n &&
-           std::equal(keys.begin() + i * L + c0, keys.begin() + i * L + c0 + n, keys.begin() + c0) &&
-           std::equal(added.begin() + i * L + c0, added.begin() + i * L + c0 + n, added.begin() + c0);
+           std::equal(&keys[i * L + c0], &keys[i * L + c0 + n], &keys[c0]) &&
+           std::equal(&added[i * L + c0], &added[i * L + c0 + n], &added[c0]);
   };
   std::vector<int64_t> rows_of;                        // tasks' rows, one task after another
   std::vector<std::pair<int64_t, int64_t>> groups;     // (first index in rows_of, chunk j): a task per key/value head
@@ -366,9 +399,31 @@ at::Tensor row_attention(const at::Tensor& q, const at::Tensor& k, const at::Ten
     for (int64_t j = 0; j < chunks[i]; j++)
       if (j >= chunks[0] || !grouped[i * chunks[0] + j]) groups.emplace_back(rows_of.size(), j), rows_of.push_back(i);
   groups.emplace_back(rows_of.size(), 0);  // the end of the last task's rows
+  // A task's work: its rows x its chunk's keys. A group of many rows (a tree's over their shared context) is split
+  // in tasks of at most an eighth of a thread's share, so that contiguous runs of tasks split evenly between the
+  // threads; how a chunk's rows are split in tasks changes no row's arithmetic.
+  const auto keys_of = [&](int64_t t) {
+    const int64_t i0 = rows_of[groups[t].first], j = groups[t].second;
+    return std::max<int64_t>(1, std::min(count[i0] - j * size[i0], size[i0]));
+  };
+  {
+    const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+    double all = 0;
+    for (size_t t = 0; t + 1 < groups.size(); t++)
+      all += double(groups[t + 1].first - groups[t].first) * keys_of(t) * Hkv;
+    const double most = std::max(1.0, all / (8.0 * threads));
+    std::vector<std::pair<int64_t, int64_t>> split;
+    for (size_t t = 0; t + 1 < groups.size(); t++) {
+      const int64_t R = groups[t + 1].first - groups[t].first, keys_in = keys_of(t);
+      const int64_t pieces = std::min<int64_t>(R, std::max<int64_t>(1, int64_t(std::ceil(R * keys_in / most))));
+      for (int64_t p = 0; p < pieces; p++) split.emplace_back(groups[t].first + R * p / pieces, groups[t].second);
+    }
+    split.push_back(groups.back());
+    groups.swap(split);
+  }
   // the tasks (key/value head g, group t), g-major as the cache lies, split in contiguous runs of about equal work
-  // (rows x keys) between the threads: a thread reads each head's keys and values as one stream. Which thread runs a
-  // task changes no result.
+  // between the threads: a thread reads each head's keys and values as one stream. Which thread runs a task changes
+  // no result.
   const int64_t ngroups = groups.size() - 1, ntasks = ngroups * Hkv;
   std::vector<double> upto(ntasks + 1, 0.0);  // work before each task
   for (int64_t task = 0; task < ntasks; task++) {
@@ -378,7 +433,8 @@ at::Tensor row_attention(const at::Tensor& q, const at::Tensor& k, const at::Ten
   }
   const int64_t parts = std::min<int64_t>(ntasks, at::get_num_threads());
   at::parallel_for(0, parts, 1, [&](int64_t pbegin, int64_t pend) {
-    std::vector<float> s(M * G * sstride), top(M * G), total(M * G), o(M * G * ostride);
+    const auto s = uninitialized<float>(M * G * sstride), top = uninitialized<float>(M * G),
+               total = uninitialized<float>(M * G), o = uninitialized<float>(M * G * ostride);
     std::vector<const float*> qh(M * G);
     // this call's tasks: those whose work starts in [pbegin, pend) / parts of the whole
     const auto first_task = [&](int64_t part) {
@@ -391,11 +447,11 @@ at::Tensor row_attention(const at::Tensor& q, const at::Tensor& k, const at::Ten
       const int64_t c0 = j * size[i0], n = std::min(count[i0] - c0, size[i0]);
       for (int64_t r = 0; r < R; r++)
         for (int64_t hh = 0; hh < G; hh++) qh[r * G + hh] = qp + (g * G + hh) * qhs + rows[r] * qrs;
-      const int64_t* ks = keys.data() + i0 * L + c0;
-      const float* as = added.data() + i0 * L + c0;
+      const int64_t* ks = keys.get() + i0 * L + c0;
+      const float* as = added.get() + i0 * L + c0;
       const float *kg = kp + g * khs, *vg = vp + g * vhs;
       const int64_t QV = R * G;  // the task's query vectors: its rows' heads of key/value head g
-      float *sp = s.data(), *tp = top.data(), *lp = total.data(), *op_ = o.data();
+      float *sp = s.get(), *tp = top.get(), *lp = total.get(), *op_ = o.get();
       if (n <= 0)  // no key to see (never in the engine: every row sees itself): zeros
         std::fill_n(tp, QV, 0.f), std::fill_n(lp, QV, 1.f), std::fill_n(op_, QV * ostride, 0.f);
       else if (D == 4 * VL)
@@ -408,9 +464,9 @@ at::Tensor row_attention(const at::Tensor& q, const at::Tensor& k, const at::Ten
         attend_chunk_at<0>(qh.data(), QV, kg, vg, ks, as, n, sc, D, sp, sstride, tp, lp, op_, ostride);
       for (int64_t r = 0; r < R; r++) {  // each row's results to its own slot
         const int64_t slot = slot_of(rows[r], g, j);
-        std::copy_n(tp + r * G, G, tops.data() + slot * G);
-        std::copy_n(lp + r * G, G, totals.data() + slot * G);
-        std::copy_n(op_ + r * G * ostride, G * ostride, outs.data() + slot * G * ostride);
+        std::copy_n(tp + r * G, G, tops.get() + slot * G);
+        std::copy_n(lp + r * G, G, totals.get() + slot * G);
+        std::copy_n(op_ + r * G * ostride, G * ostride, outs.get() + slot * G * ostride);
       }
     }
   });
@@ -428,7 +484,7 @@ at::Tensor row_attention(const at::Tensor& q, const at::Tensor& k, const at::Ten
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t j = 0; j < chunks[i]; j++) {
         const float e = std::exp(tops[(t0 + j) * G + hh] - best);
-        const float* oj = outs.data() + ((t0 + j) * G + hh) * ostride;
+        const float* oj = outs.get() + ((t0 + j) * G + hh) * ostride;
         sum = std::fma(e, totals[(t0 + j) * G + hh], sum);
         for (int64_t d = 0; d < D; d++) acc[d] = std::fma(e, oj[d], acc[d]);
       }
