@@ -427,9 +427,8 @@ at::Tensor row_attention(const at::Tensor& q, const at::Tensor& k, const at::Ten
   const int64_t ngroups = groups.size() - 1, ntasks = ngroups * Hkv;
   std::vector<double> upto(ntasks + 1, 0.0);  // work before each task
   for (int64_t task = 0; task < ntasks; task++) {
-    const int64_t t = task % ngroups, i0 = rows_of[groups[t].first], j = groups[t].second;
-    const int64_t keys_in = std::max<int64_t>(1, std::min(count[i0] - j * size[i0], size[i0]));
-    upto[task + 1] = upto[task] + double(groups[t + 1].first - groups[t].first) * keys_in;
+    const int64_t t = task % ngroups;
+    upto[task + 1] = upto[task] + double(groups[t + 1].first - groups[t].first) * keys_of(t);
   }
   const int64_t parts = std::min<int64_t>(ntasks, at::get_num_threads());
   at::parallel_for(0, parts, 1, [&](int64_t pbegin, int64_t pend) {
