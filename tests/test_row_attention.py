@@ -73,7 +73,7 @@ def test_a_trees_rows_split_in_tasks_over_their_shared_context_equal_each_row_al
     k, v = torch.randn(1, HKV, length, D, generator=g), torch.randn(1, HKV, length, D, generator=g)
     allowed = torch.zeros(rows, length, dtype=torch.bool)
     allowed[:, :context] = True
-    allowed[:, context:] = torch.rand(rows, rows, generator=g).tril() < 0.5  # tree-like: earlier rows, some
+    allowed[:, context:] = (torch.rand(rows, rows, generator=g) < 0.5).tril()  # tree-like: some earlier rows
     allowed[torch.arange(rows), context + torch.arange(rows)] = True
     additive = additive_mask(allowed, torch.float32)
     additive[0, 0, ::2][additive[0, 0, ::2] < 0] = float("-inf")
