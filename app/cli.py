@@ -163,7 +163,7 @@ def start_compiled_rounds(engine, loaded, mode: str, log=lambda line: print(f"[c
         return
     if loaded.device != "cpu":
         if compile_rounds(loaded.model, mode, log):
-            loaded.model.try_compile_round(log)  # the greedy round's own graphs (eagle/model/cuda_round.py)
+            loaded.model.try_compile_round(log)  # the greedy round's own graphs (eagle/runtime/cuda_round.py)
         engine.info.update(describe_forwards(loaded.model))
         engine.describe_context()
         return
@@ -188,10 +188,10 @@ def compile_spec(loaded):
     base (its quantized kernel reads them in the graphs), else the head's own."""
     import torch
 
-    from eagle.model import few_rows, quant_panels
-    from eagle.model.compiled import BUCKETS, bucket_for
-    from eagle.model.compiled_draft import DRAFT_BUCKETS
+    from eagle.kernels import few_rows, quant_panels
     from eagle.model.compiling import QUANTIZED_HEAD, quantized_head_pays
+    from eagle.runtime.compiled import BUCKETS, bucket_for
+    from eagle.runtime.compiled_draft import DRAFT_BUCKETS
 
     from .precompile import CompileSpec
 
@@ -225,7 +225,7 @@ def describe_forwards(model) -> dict:
     """The Model panel's lines that change when compiled rounds come in (the weights the linears read too: the
     kernels in use decide whether they read the GGUF's blocks)."""
     from eagle.chat.model_types import forwards_description, tree_description
-    from eagle.model import few_rows
+    from eagle.kernels import few_rows
 
     # the tuner's predicted tokens/s are not shown: replies' own figures are (engine.reply_figures)
     return {"tree": tree_description(model, predictions=False), "forwards": forwards_description(model),

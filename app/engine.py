@@ -10,7 +10,7 @@ which also loaded and warmed up the model, whichever Gradio worker thread asks f
 run OpenMP work, libgomp's thread teams outnumber the cores and stop spin-waiting, and every parallel product
 pays a wake-up (BENCHMARKS.md, "The app's first and second start").
 
-Context drafts (copies of earlier text offered beside the head's drafts, eagle/model/context_draft.py) are asked
+Context drafts (copies of earlier text offered beside the head's drafts, eagle/decoding/context_draft.py) are asked
 for per reply when its settings want them and they keep the reply on the runner it has without them
 (`context_drafts_served`): on eager forwards any tree shape runs, on compiled greedy rounds only once their own
 compiled round is in (idle_work.py).
@@ -31,8 +31,8 @@ from dataclasses import replace
 from typing import Iterator, Sequence
 
 from eagle.chat.templates import FittedPrompt, Turn, build_prompt, encode, fit_turns, resolve_kind
-from eagle.model.generate import Round
-from eagle.model.verify import SamplingParams, TokenPicker
+from eagle.decoding.generate import Round
+from eagle.decoding.verify import SamplingParams, TokenPicker
 
 from .idle_work import REFRESH_S, Loading, VanillaReference, Wait, refresh_reference
 

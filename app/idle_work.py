@@ -233,7 +233,7 @@ def compiled_rounds(engine, child, spec, mode: str, log) -> Iterator[str | Loadi
     cache already), load its graphs from the cache a graph a unit, decide (mode "auto": only where compiled forwards
     measure faster, idle and stable), time vanilla decoding with them and put them in use together; then the rest of
     `spec` and the tree tuned on it (`tuned_rounds`), and the round with context chains (`context_rounds`)."""
-    from eagle.model import runners
+    from eagle.runtime import runners
 
     from .precompile import ROUND_STEPS, load_compiled_head, round_graphs
 
@@ -315,8 +315,8 @@ def tuned_rounds(engine, spec, head, log) -> Iterator[str | Loading | Wait]:
     sampling rounds run on them, the tuner times them) compiled by a child and put in use, then the tree tuned on
     their costs, and where it differs from the tree in use, its round's two steps compiled and put in use with it;
     then the round with context chains (`context_rounds`)."""
-    from eagle.model import runners
-    from eagle.model.tuner import forget_costs
+    from eagle.runtime import runners
+    from eagle.tuning.tuner import forget_costs
 
     from .precompile import ChildCompile, compiled_before
 

@@ -36,7 +36,8 @@ from markdown_it import MarkdownIt
 from markdown_it.common.utils import escapeHtml, unescapeAll
 
 # Where a reply's character came from, one byte per character ("flags"): the base's own token, a draft of the
-# head accepted, or a context copy (an earlier stretch of the prompt or reply, eagle/model/context_draft.py) accepted.
+# head accepted, or a context copy accepted (an earlier stretch of the prompt or reply,
+# eagle/decoding/context_draft.py).
 BASE, HEAD, CONTEXT = 0, 1, 2
 SOURCE_CLASS = {HEAD: "acc", CONTEXT: "ctx"}  # the span class of each accepted source (styles: assets/app.css)
 SPAN_CLOSE = "</span>"

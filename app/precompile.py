@@ -67,7 +67,7 @@ class CompileSpec:
         """("base" | "draft", rows), then ("round_verify" | "round_verify_chain" | "round_draft", the head's tree
         nodes), in the order they are compiled and loaded (round_verify_chain, with `round_chains` only, is a graph
         per chain size)."""
-        from eagle.model.round_steps import TreeShape
+        from eagle.decoding.round_steps import TreeShape
 
         rounds = []
         if self.round_tree is not None:
@@ -81,7 +81,7 @@ class CompileSpec:
         graphs are in the caches (aot_store's saved graphs, inductor's)."""
         import torch
 
-        from eagle.model.cost_cache import compiled_options, cpu_description
+        from eagle.tuning.cost_cache import compiled_options, cpu_description
 
         what = [self.to_json(), torch.__version__, compiled_options(), cpu_description()]
         return hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()[:20]
@@ -155,8 +155,8 @@ class ChildCompile:
         return self._ended == len(self.processes)
 
     def _write_manifest(self) -> None:
-        from eagle.model import aot_store
-        from eagle.model.compiled import use_project_inductor_cache
+        from eagle.runtime import aot_store
+        from eagle.runtime.compiled import use_project_inductor_cache
 
         manifest = manifest_path(self.spec)
         manifest.parent.mkdir(parents=True, exist_ok=True)
@@ -247,9 +247,9 @@ def load_compiled_head(base_model, head_path: str, dtype_name: str):
     (few_rows.quantize)."""
     import torch
 
-    from eagle.model import few_rows, quant_panels
-    from eagle.model.checkpoint import read_checkpoint
+    from eagle.kernels import few_rows, quant_panels
     from eagle.model.ea_model import load_head
+    from eagle.models.checkpoint import read_checkpoint
 
     qtype = {name: q for q, name in quant_panels.NAMES.items()}.get(dtype_name)
     config, state = read_checkpoint(head_path)
@@ -264,8 +264,8 @@ def compile_graphs(spec: CompileSpec, share: list[tuple[str, int]], on_graph=lam
     """Compile the graphs of `share` (part of `spec.graphs()`) for the model `spec` names."""
     import torch
 
-    from eagle.model import runners
     from eagle.model.ea_model import EaModel
+    from eagle.runtime import runners
 
     torch.set_num_threads(spec.threads)
     t0 = time.perf_counter()
@@ -288,9 +288,9 @@ def compile_graphs(spec: CompileSpec, share: list[tuple[str, int]], on_graph=lam
 def round_graphs(model, head, tree: tuple[int, int, int], chains: tuple[int, ...] = ()):
     """The CompiledRound of `model`'s base (its graphs' kernels set: runners.decode_graphs) and `head` for a tree
     (total_token, depth, top_k) with context chains of the sizes `chains` (none: ()), not yet compiled."""
-    from eagle.model import runners
-    from eagle.model.draft import HeadStep
-    from eagle.model.round_steps import TreeShape
+    from eagle.decoding.draft import HeadStep
+    from eagle.decoding.round_steps import TreeShape
+    from eagle.runtime import runners
 
     shape = TreeShape.of(*tree).with_chains(chains)
     return runners.round_graphs(model.base, HeadStep(head, model.base.lm_head), shape)

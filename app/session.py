@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, replace
 from typing import Callable, Iterator, Sequence
 
 from eagle.chat.templates import PromptTooLong, Turn
-from eagle.model.generate import Round
+from eagle.decoding.generate import Round
 
 from .highlight import Reply, render
 from .idle_work import VanillaReference

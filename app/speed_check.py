@@ -332,7 +332,6 @@ def measure(engine, questions: list[dict], max_new_tokens: int, log, warmup: int
     from app import handlers
     from app.highlight import plain_text, render
     from app.ui import build, launch_options
-
     from eagle.evaluation.methods import Settings, make_runners
 
     default_every = handlers.UPDATE_EVERY_S
@@ -456,10 +455,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    from eagle.model.cost_cache import cpu_description
-
     from eagle.evaluation.models import log
     from eagle.evaluation.questions import load_mtbench_questions
+    from eagle.tuning.cost_cache import cpu_description
 
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)

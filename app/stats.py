@@ -15,7 +15,7 @@ from __future__ import annotations
 import html
 from dataclasses import dataclass
 
-from eagle.model.generate import Round
+from eagle.decoding.generate import Round
 
 STOP_WORDS = {
     "eos": "end of reply", "max_new_tokens": "max new tokens reached", "max_length": "context full",

@@ -20,7 +20,7 @@ read at its own precision: a folder beside the converted one
 (``SmolLM2-135M-Instruct-q4_1``) holds the same files (links) and a
 config.json that names the GGUF (``GGUF_CONFIG_KEY``), and the CPU kernels
 then read the file's Q4_1 and Q8_0 blocks instead of the float32 weights
-(eagle/model/quant_gguf.py; the blocks dequantize to exactly those weights).
+(eagle/kernels/quant_gguf.py; the blocks dequantize to exactly those weights).
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ MARKER = ".eagle-complete"
 _HUB_PATTERNS = ["*.json", "*.safetensors", "*.txt", "*.jinja"]
 _CHECK_TEXT = "The capital of France is"
 WEIGHTS = ("fp32", "q4_1")  # the default base's weights: float32 as converted, or the GGUF's own blocks
-GGUF_CONFIG_KEY = "eagle_weights_gguf"  # = eagle.model.quant_gguf.CONFIG_KEY (a layer apart: not imported)
+GGUF_CONFIG_KEY = "eagle_weights_gguf"  # = eagle.kernels.quant_gguf.CONFIG_KEY (a layer apart: not imported)
 
 
 def converted_model_dir() -> Path:

@@ -16,8 +16,8 @@ if ROOT not in sys.path:
 
 from app.engine import Engine  # noqa: E402
 from eagle.chat.templates import FittedPrompt  # noqa: E402
+from eagle.decoding.generate import Round  # noqa: E402
 from eagle.model.ea_model import EaModel  # noqa: E402
-from eagle.model.generate import Round  # noqa: E402
 
 VOCAB = 48  # word-level "w2".."w47": big enough for distinct replies to distinct prompts
 # A ChatML-like template over the tiny vocabulary: w4 = system, w2 = user, w3 = assistant, w5 = end of turn.

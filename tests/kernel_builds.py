@@ -20,7 +20,7 @@ VARIANTS = {  # a test id: the flags after -march=native
 
 
 def can_build() -> bool:
-    from eagle.model import panel_kernel
+    from eagle.kernels import panel_kernel
 
     return platform.machine() in ("x86_64", "AMD64") and panel_kernel._compiler() is not None
 
@@ -43,7 +43,7 @@ class KernelBuilds:
         return self.start(tuple(flags)).result()
 
     def _build(self, flags: tuple[str, ...]) -> Path:
-        from eagle.model import panel_kernel
+        from eagle.kernels import panel_kernel
 
         library = self.folder / f"panel_linear{''.join(flags)}.so"
         nice = ["nice", "-n", "19"] if shutil.which("nice") else []

@@ -4,9 +4,9 @@ VOCAB tokens after PROMPT."""
 
 import torch
 
+from eagle.decoding.generate import TreeSpec
+from eagle.decoding.verify import SamplingParams, TokenPicker
 from eagle.model.ea_model import EaModel, load_head
-from eagle.model.generate import TreeSpec
-from eagle.model.verify import SamplingParams, TokenPicker
 
 # ---------------------------------------------------------------------------------------------------- greedy
 PROMPTS = [[3, 4, 5], [7, 2, 9, 9, 11, 4, 2], [15, 14, 13, 12, 6]]

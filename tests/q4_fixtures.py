@@ -7,8 +7,8 @@ import torch
 from tiny import tiny_base
 from torch import nn
 
-from eagle.model import quant_gguf, quant_panels
-from eagle.model.quant_panels import Q4_1
+from eagle.kernels import quant_gguf, quant_panels
+from eagle.kernels.quant_panels import Q4_1
 
 
 def random_blocks(qtype: int, n: int, k: int, seed: int = 0) -> torch.Tensor:

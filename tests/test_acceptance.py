@@ -4,7 +4,7 @@ batched feature extraction that feeds it (and training) equals one sequence at a
 import torch
 from tiny import draft_config, tiny_base
 
-from eagle.model.draft_head import DraftConfig, DraftHead
+from eagle.models.draft_head import DraftConfig, DraftHead
 from eagle.train.acceptance import profile_sums
 from eagle.train.ttt import unrolled_forward
 

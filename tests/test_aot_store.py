@@ -1,4 +1,4 @@
-"""Graphs saved whole (eagle/model/aot_store.py): a later process loads them without tracing and they compute what
+"""Graphs saved whole (eagle/runtime/aot_store.py): a later process loads them without tracing and they compute what
 the process that compiled them did; a file is keyed on the graph's structure, not on weight values; a graph that
 aot_compile cannot take, or a file that does not load, is compiled the usual way."""
 
@@ -11,9 +11,10 @@ import pytest
 import torch
 from tiny import tiny_base
 
-from eagle.model import aot_store, panel_kernel, runners
-from eagle.model.base import BaseModel
-from eagle.model.masks import additive_mask
+from eagle.kernels import panel_kernel
+from eagle.models.base import BaseModel
+from eagle.models.masks import additive_mask
+from eagle.runtime import aot_store, runners
 
 pytestmark = pytest.mark.skipif(not panel_kernel.available(), reason="graphs are saved whole on the panel kernel")
 
@@ -22,9 +23,9 @@ STEP = textwrap.dedent("""
     from torch._dynamo.utils import counters
     sys.path.insert(0, {tests!r})
     from tiny import tiny_base
-    from eagle.model import runners
-    from eagle.model.base import BaseModel
-    from eagle.model.masks import additive_mask
+    from eagle.runtime import runners
+    from eagle.models.base import BaseModel
+    from eagle.models.masks import additive_mask
 
     torch.set_num_threads(1)
     base = BaseModel(tiny_base("llama", seed={seed}), eagle3=False)
@@ -60,7 +61,7 @@ def test_a_graph_saved_whole_loads_in_another_process_without_tracing(tmp_path):
 
 
 def test_the_key_follows_the_graphs_structure_not_the_weights_values():
-    from eagle.model.round_steps import TreeShape
+    from eagle.decoding.round_steps import TreeShape
 
     def key(model, rows=1, eagle3=False, shape=TreeShape.of(8, 3, 2)):
         base = BaseModel(model, eagle3=eagle3)

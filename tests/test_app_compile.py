@@ -14,8 +14,8 @@ from app.engine import EngineBusy
 from app.idle_work import VanillaReference, Wait, compiled_rounds, first_stage, saved_verdict, vanilla_reference
 from app.precompile import ChildCompile, CompileSpec, compiled_before
 from eagle.chat.model_types import forwards_description
-from eagle.model.round_graphs import CompiledRound
-from eagle.model.verify import SamplingParams, TokenPicker
+from eagle.decoding.verify import SamplingParams, TokenPicker
+from eagle.runtime.round_graphs import CompiledRound
 
 
 @pytest.fixture
@@ -27,7 +27,7 @@ def own_cache(monkeypatch, tmp_path):
 
 def spec_of(engine, folder) -> CompileSpec:
     """One graph each (seconds to compile) for the tiny model saved in `folder`."""
-    from eagle.model import few_rows
+    from eagle.kernels import few_rows
 
     model = engine.model
     return CompileSpec(base_path=os.path.join(folder, "base"), head_path=os.path.join(folder, "draft"),
@@ -74,7 +74,7 @@ def test_a_tuned_tree_starts_compiled_rounds_on_the_small_first_tree_and_a_given
 @pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="reads process states from /proc")
 def test_children_compile_only_while_the_model_is_idle_and_the_graphs_change_no_reply(own_cache, tmp_path,
                                                                                      monkeypatch):
-    from eagle.model import aot_store
+    from eagle.runtime import aot_store
 
     compiled_here = []  # graphs this process compiled itself: none, every one comes from a child's files
     compile_and_save = aot_store.compile_and_save
@@ -181,7 +181,7 @@ def test_a_job_that_waits_lets_the_next_job_run_and_reports_its_progress(own_cac
 @pytest.fixture
 def nothing_compiled(monkeypatch):
     """Graphs that are never built: loading them does nothing (the tests around them time no graph)."""
-    from eagle.model import compiled, compiled_draft
+    from eagle.runtime import compiled, compiled_draft
 
     def warm(self, log=None, context=64, rows=None):
         return {r: 0.0 for r in rows}

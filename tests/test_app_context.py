@@ -22,9 +22,9 @@ from app.precompile import CompileSpec, graph_name
 from app.race import Lane, LaneState, pane_html
 from app.session import Comparison, Pane, Settings, respond, summary
 from app.stats import SHARES, RunStats, figures_html, shares_text
-from eagle.model.context_draft import ContextStats
-from eagle.model.generate import Round
-from eagle.model.round_graphs import CompiledRound
+from eagle.decoding.context_draft import ContextStats
+from eagle.decoding.generate import Round
+from eagle.runtime.round_graphs import CompiledRound
 
 SPAN = re.compile(r'<span class="(acc|ctx)">(.*?)</span>')
 REPEATING = "w3 w4 w5 w6 w7 w3 w4 w5 w9 w2 w3 w4"  # the tiny model's greedy reply to it soon repeats itself
@@ -224,7 +224,7 @@ def fake_context_round(model) -> None:
     """A compiled round of the context shape for the head in use, as `context_rounds` puts it in use."""
     from dataclasses import replace
 
-    from eagle.model.round_steps import TreeShape
+    from eagle.decoding.round_steps import TreeShape
 
     tree = replace(model.tree, chain=model.context_chain)
     shape = TreeShape.of(tree.total_token, tree.depth, tree.top_k).with_chain(tree.chain)

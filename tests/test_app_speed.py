@@ -21,7 +21,7 @@ from app_fixtures import ModelFreeEngine, one_thread, tiny_engine
 from app import markdown_render, speed_check
 from app.handlers import UPDATE_EVERY_S, chat_messages, make_handlers, new_state, new_turn
 from eagle.chat.templates import FittedPrompt
-from eagle.model.generate import Round
+from eagle.decoding.generate import Round
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*no_silent_downcasting", "ignore:The copy keyword")
 MAX_UPDATES_PER_S = 5  # the bound pinned here; the handlers' own is 1 / UPDATE_EVERY_S = 4

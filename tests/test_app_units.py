@@ -15,10 +15,9 @@ from app.highlight import Detokenizer, Reply, plain_text, render
 from app.session import Settings, compare, respond
 from app.stats import RunStats, figures_html, with_vanilla
 from eagle.chat.templates import (
-    LLAMA2_SYSTEM_PROMPT, PromptTooLong, build_prompt, default_system_prompt, encode, fit_turns, messages,
-    resolve_kind,
+    LLAMA2_SYSTEM_PROMPT, PromptTooLong, build_prompt, default_system_prompt, encode, fit_turns, messages, resolve_kind,
 )  # fmt: skip
-from eagle.model.generate import Round
+from eagle.decoding.generate import Round
 
 
 # templates -------------------------------------------------------------------------------------------------

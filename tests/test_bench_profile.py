@@ -6,11 +6,11 @@ import pytest
 import torch
 from tiny import random_draft, save_base, tiny_base
 
+from eagle.decoding import generate
+from eagle.decoding.draft import Drafter
 from eagle.evaluation import pass_cost, profile
-from eagle.model import generate
-from eagle.model.base import BaseModel
-from eagle.model.draft import Drafter
-from eagle.model.round_graphs import EagerRound
+from eagle.models.base import BaseModel
+from eagle.runtime.round_graphs import EagerRound
 
 
 @pytest.fixture(scope="module")
@@ -82,8 +82,8 @@ def test_pass_cost_times_each_row_count_with_the_plan_and_with_each_few_row_kern
 def test_pass_cost_times_the_few_row_kernels_eagerly_beside_compiled_rounds(folder):
     """With compiled rounds in use, the engine column is theirs where a bucket holds the rows and the kernels'
     columns are eager forwards (graphs: the CUDA-graph runner without capture, which compiles nothing)."""
-    from eagle.model.cuda_graphs import GraphedDecode
     from eagle.model.ea_model import EaModel
+    from eagle.runtime.cuda_graphs import GraphedDecode
 
     model = EaModel.from_pretrained(str(folder / "base"), str(folder / "head"), dtype=torch.float32)
     graphs = model.base.compiled = GraphedDecode(model.base, (1, 2), capacity=64, capture=False)

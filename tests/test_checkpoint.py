@@ -6,8 +6,8 @@ import pytest
 import torch
 from tiny import random_draft, tiny_base
 
-from eagle.model.checkpoint import CheckpointError, build_draft_head, read_checkpoint
 from eagle.model.ea_model import load_head
+from eagle.models.checkpoint import CheckpointError, build_draft_head, read_checkpoint
 
 
 def head_for(base, folder, **kw):

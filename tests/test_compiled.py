@@ -1,19 +1,21 @@
-"""Compiled base forwards (eagle/model/compiled.py): padding rows change nothing, the compiled vanilla step and
+"""Compiled base forwards (eagle/runtime/compiled.py): padding rows change nothing, the compiled vanilla step and
 verify pass stay lossless and compile once per bucket, and `compile` falls back or stays off as documented."""
 
 import pytest
 import torch
 from tiny import random_draft, save_base, tiny_base
 
-from eagle.model import compiled, compiled_draft, compiling, runners, tuner
-from eagle.model.base import BaseModel
-from eagle.model.masks import additive_mask, tree_mask
-from eagle.model.compiled import CompiledDecode, bucket_for, pad_rows
-from eagle.model.compiled_draft import CompiledDraft
+from eagle.decoding.generate import TreeSpec
+from eagle.decoding.verify import SamplingParams, TokenPicker
+from eagle.model import compiling
 from eagle.model.ea_model import EaModel
-from eagle.model.round_graphs import CompiledRound
-from eagle.model.generate import TreeSpec
-from eagle.model.verify import SamplingParams, TokenPicker
+from eagle.models.base import BaseModel
+from eagle.models.masks import additive_mask, tree_mask
+from eagle.runtime import compiled, compiled_draft, runners
+from eagle.runtime.compiled import CompiledDecode, bucket_for, pad_rows
+from eagle.runtime.compiled_draft import CompiledDraft
+from eagle.runtime.round_graphs import CompiledRound
+from eagle.tuning import tuner
 
 NEW = 40
 
@@ -135,7 +137,7 @@ def test_compile_auto_follows_the_measurement_and_failures_stay_eager(folder, mo
 def test_inductor_cache_goes_to_the_project_cache_unless_the_user_chose_one(monkeypatch, tmp_path):
     from torch._inductor.runtime.cache_dir_utils import cache_dir, default_cache_dir
 
-    from eagle.model.compiled import use_project_inductor_cache
+    from eagle.runtime.compiled import use_project_inductor_cache
 
     monkeypatch.setenv("EAGLE_CACHE", str(tmp_path / "eagle"))
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
@@ -157,7 +159,7 @@ def test_compiled_graphs_freeze_the_weights_and_go_to_the_disk_cache(folder, mon
     kernel call in a graph."""
     from torch._dynamo.utils import counters
 
-    from eagle.model import few_rows, panel_kernel
+    from eagle.kernels import few_rows, panel_kernel
 
     monkeypatch.setenv("EAGLE_AOT_DIR", str(tmp_path / "aot"))
 

@@ -1,4 +1,4 @@
-"""The lossless guarantees on the compiled path (eagle/model/compiled.py, compiled_draft.py): greedy output equals
+"""The lossless guarantees on the compiled path (eagle/runtime/compiled.py, compiled_draft.py): greedy output equals
 transformers' greedy `generate` for every base architecture and head format, sampling follows the base's
 distribution, and the caches after compaction equal a full recompute, with the base's forwards and the draft's
 steps running as compiled graphs (one bucket each here, so that padding is exercised on almost every call and the
@@ -16,10 +16,10 @@ from lossless_checks import (
 from tiny import random_draft, save_base, tiny_base
 from transformers import DynamicCache
 
-from eagle.model import runners
+from eagle.decoding.generate import Budget, eagle_rounds
+from eagle.decoding.verify import SamplingParams, TokenPicker
 from eagle.model.ea_model import EaModel
-from eagle.model.generate import Budget, eagle_rounds
-from eagle.model.verify import SamplingParams, TokenPicker
+from eagle.runtime import runners
 
 BASE_BUCKETS, DRAFT_BUCKETS = (8,), (4,)
 
@@ -76,7 +76,7 @@ def test_compiled_sampling_follows_the_base_distribution(tmp_path):
     base = tiny_base("llama", vocab=8, seed=5)
     with torch.no_grad():  # flatter logits, as test_lossless_sampling
         base.get_output_embeddings().weight.mul_(0.3)
-    from eagle.model.checkpoint import read_checkpoint
+    from eagle.models.checkpoint import read_checkpoint
 
     model = compile_now(make_model((base, read_checkpoint(random_draft(base, str(tmp_path / "d"), seed=2))),
                                    total_token=8, depth=3, top_k=4))  # fmt: skip
@@ -92,7 +92,7 @@ def test_compiled_caches_after_compaction_equal_a_full_recompute(tmp_path, eagle
     save_base(base, str(tmp_path / "base"))
     draft = random_draft(base, str(tmp_path / "draft"), eagle3=eagle3, draft_vocab=12 if eagle3 else None)
     model = compile_now(EaModel.from_pretrained(str(tmp_path / "base"), draft, dtype=torch.float32))
-    from eagle.model.draft import Drafter
+    from eagle.decoding.draft import Drafter
 
     prompt = torch.tensor([[4, 9, 2, 7, 7, 3]])
     with torch.inference_mode():  # as EaModel runs it: the caches too

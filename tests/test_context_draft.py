@@ -1,5 +1,5 @@
-"""Context drafts (eagle/model/context_draft.py, round_steps.attach_chain): a copy of earlier text hangs in the head's
-tree where the tree already spells its start, acceptance through it is the host walk's, the output stays the
+"""Context drafts (eagle/decoding/context_draft.py, round_steps.attach_chain): a copy of earlier text hangs in the
+head's tree where the tree already spells its start, acceptance through it is the host walk's, the output stays the
 base's own, and the measured policy offers chains only where they pay."""
 
 import pytest
@@ -7,13 +7,13 @@ import torch
 from test_round_steps import random_tree
 from tiny import random_draft, tiny_base
 
-from eagle.model.checkpoint import read_checkpoint
-from eagle.model.context_draft import BUCKETS, CHAINS, EXPLORE, ContextStats, bucket_of, pick_chains
+from eagle.decoding.context_draft import BUCKETS, CHAINS, EXPLORE, ContextStats, bucket_of, pick_chains
+from eagle.decoding.generate import Round, TreeSpec
+from eagle.decoding.round_steps import DeviceTree, accept_path, attach_chain
+from eagle.decoding.tree import DraftTree, TreeDraft
+from eagle.decoding.verify import SamplingParams, TokenPicker, accept
 from eagle.model.ea_model import EaModel, load_head
-from eagle.model.generate import Round, TreeSpec
-from eagle.model.round_steps import DeviceTree, accept_path, attach_chain
-from eagle.model.tree import DraftTree, TreeDraft
-from eagle.model.verify import SamplingParams, TokenPicker, accept
+from eagle.models.checkpoint import read_checkpoint
 
 
 def device_tree(host: DraftTree) -> DeviceTree:
@@ -175,8 +175,8 @@ def test_the_tuned_tree_carries_chains_picked_on_the_costs_of_passes_timed_at_th
     read off the graphs' own rows instead, and no chain reaches past the most rows timed."""
     from types import SimpleNamespace
 
-    from eagle.model import tuner
-    from eagle.model.compiled import bucket_for
+    from eagle.runtime.compiled import bucket_for
+    from eagle.tuning import tuner
 
     base = tiny_base("llama", layers=2)
     model = EaModel(base, load_head(base, *read_checkpoint(random_draft(base, str(tmp_path / "d")))), None)
@@ -218,9 +218,9 @@ def test_the_context_profile_tool_measures_every_bucket_on_greedy_rounds(model):
 def test_the_context_profile_is_measured_on_prompts_that_hold_no_benchmark_prompt(monkeypatch):
     """The benchmarks measure what the profile tunes (the chains' sizes): its default prompts are ShareGPT openings
     with every conversation that holds an MT-bench or repetitive-set prompt dropped."""
-    from eagle.train.context_profile import sharegpt_openings
     from eagle.evaluation.questions import load_mtbench_questions, load_repetitive_questions
     from eagle.train import sharegpt
+    from eagle.train.context_profile import sharegpt_openings
 
     mtbench, repetitive = load_mtbench_questions()[7]["turns"][0], load_repetitive_questions()[3]["turns"][0]
     chats = ["How do I keep basil alive on a windowsill?", mtbench, "Write a haiku about rain.", repetitive]
@@ -232,7 +232,7 @@ def test_the_context_profile_is_measured_on_prompts_that_hold_no_benchmark_promp
 
 def test_the_shipped_head_carries_a_context_profile_measured_off_the_benchmarks():
     from eagle.chat.model_types import DEFAULT_HEAD_DIR
-    from eagle.model.checkpoint import read_context_profile
+    from eagle.models.checkpoint import read_context_profile
 
     profile = read_context_profile(str(DEFAULT_HEAD_DIR))
     assert set(profile["prompts"]) == {"sharegpt"} and profile["rounds"] >= 1000
@@ -244,9 +244,9 @@ def test_the_shipped_head_carries_a_context_profile_measured_off_the_benchmarks(
 def test_compiled_rounds_with_context_drafts_give_the_eager_rounds(tmp_path, monkeypatch):
     """The graphs of a shape with chains of two sizes (draft, verify, verify with a chain of each size) give the
     eager rounds, and rounds with a chain run the graph of their bucket's size."""
-    from eagle.model.draft import HeadStep
-    from eagle.model.round_graphs import CompiledRound
-    from eagle.model.round_steps import TreeShape
+    from eagle.decoding.draft import HeadStep
+    from eagle.decoding.round_steps import TreeShape
+    from eagle.runtime.round_graphs import CompiledRound
 
     base = tiny_base("llama", layers=2)
     model = EaModel(base, load_head(base, *read_checkpoint(random_draft(base, str(tmp_path / "d")))), None,

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from eagle.model.context_index import ContextIndex
+from eagle.decoding.context_index import ContextIndex
 
 
 def reference(seq: list[int], limit: int, max_match: int) -> tuple[list[int], int]:

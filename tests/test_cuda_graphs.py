@@ -1,4 +1,4 @@
-"""The CUDA-graph rounds (eagle/model/cuda_graphs.py) on CPU, everything but the capture: static buffers per bucket,
+"""The CUDA-graph rounds (eagle/runtime/cuda_graphs.py) on CPU, everything but the capture: static buffers per bucket,
 pads, masks widened to a span of the cache, rows written by position, the runner's caches leased to one
 generation at a time. Greedy output equals transformers' greedy `generate`, sampling follows the base's
 distribution; on CUDA (marked gpu) the same with the graphs captured, and one host read a round."""
@@ -19,11 +19,11 @@ from lossless_checks import (
 from tiny import random_draft, save_base, tiny_base
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from eagle.model.checkpoint import read_checkpoint
-from eagle.model.cuda_graphs import GraphedDecode, GraphedDraft
-from eagle.model.draft import HeadStep
+from eagle.decoding.draft import HeadStep
+from eagle.decoding.verify import SamplingParams
 from eagle.model.ea_model import EaModel, load_head
-from eagle.model.verify import SamplingParams
+from eagle.models.checkpoint import read_checkpoint
+from eagle.runtime.cuda_graphs import GraphedDecode, GraphedDraft
 
 BASE_BUCKETS, DRAFT_BUCKETS = (1, 8), (4,)
 # nothing compiles on this path: every architecture and head format in seconds
@@ -119,8 +119,8 @@ def test_an_abandoned_stream_gives_the_graphs_caches_back(graphed):
 def test_a_base_spread_over_devices_is_refused_in_one_line_and_decodes_eagerly(tmp_path, monkeypatch):
     """device_map over several GPUs: graphs hold one device's addresses, so compile_rounds says why in one line and
     the model decodes eagerly (here the spread is a layer on the meta device, and the CUDA route is forced)."""
-    from eagle.model import runners
     from eagle.model.compiling import compile_rounds
+    from eagle.runtime import runners
 
     base = tiny_base("llama")
     model = EaModel(base, load_head(base, *read_checkpoint(random_draft(base, str(tmp_path / "d")))), None, 8, 3, 4)
@@ -259,7 +259,7 @@ def test_captured_rounds_on_cuda_equal_greedy_generate_and_read_the_host_once_a_
 
 def test_a_model_on_the_cpu_leaves_the_processes_cuda_attention_settings_alone():
     """runners.device_settings turns cuDNN's attention off for models on CUDA only (test_gpu.py checks that side)."""
-    from eagle.model import runners
+    from eagle.runtime import runners
 
     before = torch.backends.cuda.cudnn_sdp_enabled()
     try:

@@ -1,4 +1,4 @@
-"""The CUDA round (eagle/model/cuda_round.py) on CPU, everything but the capture: the round's draft and verify steps
+"""The CUDA round (eagle/runtime/cuda_round.py) on CPU, everything but the capture: the round's draft and verify steps
 over static spans of the caches with the context length a tensor, the accepted path kept by a third step, three
 steps a round. Greedy output equals transformers' greedy `generate` and the eager round's, across a span's end;
 on CUDA (marked gpu) the same captured, with three replays and one host read a round."""
@@ -9,13 +9,13 @@ from host_reads import HostReads
 from lossless_checks import PROMPTS
 from tiny import random_draft, save_base, tiny_base
 
-from eagle.model.checkpoint import read_checkpoint
-from eagle.model.cuda_graphs import GraphedDecode
-from eagle.model.cuda_round import CudaRound
-from eagle.model.draft import HeadStep
+from eagle.decoding.draft import HeadStep
+from eagle.decoding.round_steps import TreeShape
 from eagle.model.ea_model import EaModel, load_head
-from eagle.model.round_graphs import EagerRound
-from eagle.model.round_steps import TreeShape
+from eagle.models.checkpoint import read_checkpoint
+from eagle.runtime.cuda_graphs import GraphedDecode
+from eagle.runtime.cuda_round import CudaRound
+from eagle.runtime.round_graphs import EagerRound
 
 TREE = dict(total_token=8, depth=3, top_k=4)
 
@@ -57,7 +57,7 @@ def generate(base, ids, new):
 
 
 def test_a_tree_mask_over_a_span_is_the_prefix_form_padded_with_masked_keys():
-    from eagle.model.masks import tree_mask, with_tree
+    from eagle.models.masks import tree_mask, with_tree
 
     g = torch.Generator().manual_seed(0)
     for q, m, committed, gap, span in [(4, 8, 20, 3, 40), (10, 10, 5, 0, 15), (3, 12, 30, 2, 64)]:
@@ -128,7 +128,7 @@ def test_a_generation_beside_the_one_holding_the_rounds_caches_runs_eagerly_and_
 def test_the_graphed_round_with_context_chains_equals_vanilla_and_accepts_copies(tmp_path, monkeypatch):
     """The round's shape with context chains: the draft graph over either commit, the chain's verify pass eager on
     the graphs' cache, the keep graph moving paths that end in copies."""
-    from eagle.model.context_draft import ContextStats
+    from eagle.decoding.context_draft import ContextStats
 
     base = tiny_base("llama", layers=4)
     head = load_head(base, *read_checkpoint(random_draft(base, str(tmp_path), eagle3=True, draft_vocab=12)))

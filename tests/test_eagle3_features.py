@@ -5,7 +5,7 @@ import pytest
 import torch
 from tiny import tiny_base
 
-from eagle.model.base import BaseModel, eagle3_feature_layers
+from eagle.models.base import BaseModel, eagle3_feature_layers
 
 
 @pytest.mark.parametrize("layers", [8, 12])

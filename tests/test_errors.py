@@ -8,8 +8,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from tiny import random_draft, save_base, tiny_base
 
-from eagle.model.checkpoint import CheckpointError
 from eagle.model.ea_model import EaModel
+from eagle.models.checkpoint import CheckpointError
 
 
 @pytest.fixture(scope="module")

@@ -4,8 +4,8 @@ import pytest
 import torch
 from torch import nn
 
-from eagle.model import few_rows
-from eagle.model.few_rows import (
+from eagle.kernels import few_rows
+from eagle.kernels.few_rows import (
     MAX_ROWS, FewRowLinear, few_row_kernels, install, set_plan, uniform_plan, uninstall, usable_kernels,
 )  # fmt: skip
 

@@ -20,7 +20,7 @@ def test_each_variant_compiles_to_the_eager_product_and_is_timed(capsys):
 
 
 def test_the_panel_kernel_is_timed_beside_the_compiled_variants(capsys):
-    from eagle.model import panel_kernel
+    from eagle.kernels import panel_kernel
 
     if not panel_kernel.available():
         pytest.skip(f"panel kernel: {panel_kernel._state.get('why')}")

@@ -145,7 +145,7 @@ def test_run_trains_on_a_previous_runs_conversations_and_rederives_the_vocabular
 
 
 def test_revocab_keeps_trained_rows_and_covers_the_new_replies():
-    from eagle.model.draft_head import DraftConfig, DraftHead
+    from eagle.models.draft_head import DraftConfig, DraftHead
     from eagle.train.fit import revocab
     from eagle.train.vocab import draft_vocab
 

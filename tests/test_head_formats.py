@@ -1,7 +1,7 @@
 """EAGLE-3 heads written by other producers (speculators/vLLM, SpecForge, ModelOpt, AngelSlim) load and compute what
 their producers' layers compute. Each head is written here from the producer's documented config and keys
-(eagle/model/head_formats.py); `oracle` restates each producer's layer in plain torch, independently of
-eagle/model/draft_head.py."""
+(eagle/models/head_formats.py); `oracle` restates each producer's layer in plain torch, independently of
+eagle/models/draft_head.py."""
 
 import json
 import os
@@ -13,8 +13,8 @@ from safetensors.torch import save_file
 from tiny import random_draft, save_base, tiny_base
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from eagle.model.checkpoint import CheckpointError, read_checkpoint
 from eagle.model.ea_model import EaModel, load_head
+from eagle.models.checkpoint import CheckpointError, read_checkpoint
 
 LAYERS, H, V, VD, Q = 8, 32, 16, 8, 5
 

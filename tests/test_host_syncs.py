@@ -8,11 +8,11 @@ import torch
 from host_reads import HostReads
 from tiny import random_draft, tiny_base
 
-from eagle.model.checkpoint import read_checkpoint
+from eagle.decoding.generate import TreeSpec
+from eagle.decoding.tree import MC_SIM_7B_63
+from eagle.decoding.verify import TokenPicker
 from eagle.model.ea_model import EaModel, load_head
-from eagle.model.generate import TreeSpec
-from eagle.model.tree import MC_SIM_7B_63
-from eagle.model.verify import TokenPicker
+from eagle.models.checkpoint import read_checkpoint
 
 
 @pytest.fixture(scope="module", params=[False, True], ids=["eagle12", "eagle3"])
@@ -56,7 +56,7 @@ def test_sampling_with_batched_draws_reads_the_device_once_per_round(model, monk
 
 def test_timers_wait_for_every_gpu_a_device_map_uses(monkeypatch):
     """A base spread over two GPUs queues work on both: a timer that waits for one undercounts."""
-    from eagle.model.timing import timed
+    from eagle.timing import timed
 
     waited = []
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)

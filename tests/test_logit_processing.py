@@ -1,5 +1,5 @@
 """Bases whose forward processes the lm_head's logits (Gemma-2 soft-capping, Granite's logits_scaling, ...): the
-engine applies the same processing (eagle/model/logits.py) wherever it turns hidden states into logits, so greedy
+engine applies the same processing (eagle/models/logits.py) wherever it turns hidden states into logits, so greedy
 and sampled EAGLE output stay the base's, training targets follow the base's distribution, and a base whose
 processing the table does not know is refused when it is loaded."""
 
@@ -20,12 +20,12 @@ from lossless_checks import (
 from tiny import draft_config, random_draft, save_base, tiny_base
 from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
-from eagle.model.base import BaseModel
-from eagle.model.checkpoint import read_checkpoint
-from eagle.model.draft_head import DraftConfig, DraftHead
+from eagle.decoding.verify import SamplingParams
 from eagle.model.ea_model import EaModel, load_head
-from eagle.model.logits import TRANSFORMS, logit_transform
-from eagle.model.verify import SamplingParams
+from eagle.models.base import BaseModel
+from eagle.models.checkpoint import read_checkpoint
+from eagle.models.draft_head import DraftConfig, DraftHead
+from eagle.models.logits import TRANSFORMS, logit_transform
 from eagle.train.data import FeatureExtractor
 from eagle.train.losses import DraftTrainer
 from eagle.train.vocab import draft_vocab
@@ -149,7 +149,7 @@ def test_a_forward_processing_logits_unknown_to_the_table_is_refused_at_load(tmp
         return out
 
     monkeypatch.setattr(LlamaForCausalLM, "forward", scaled)
-    refusal = r"LlamaForCausalLM \(model_type 'llama'\) is not supported.*differ by 100\.0%.*eagle/model/logits\.py"
+    refusal = r"LlamaForCausalLM \(model_type 'llama'\) is not supported.*differ by 100\.0%.*eagle/models/logits\.py"
     with pytest.raises(ValueError, match=refusal):
         EaModel.from_pretrained(str(tmp_path / "base"), draft, dtype=torch.float32)
 

@@ -5,9 +5,9 @@ import torch
 from lossless_checks import NEW, PROMPTS
 from tiny import VOCAB, random_draft, save_base, tiny_base
 
+from eagle.decoding.generate import TreeSpec
+from eagle.decoding.tree import MC_SIM_7B_63
 from eagle.model.ea_model import EaModel
-from eagle.model.generate import TreeSpec
-from eagle.model.tree import MC_SIM_7B_63
 
 TREES = {
     "default": None,  # total_token=60, depth=7, top_k=10

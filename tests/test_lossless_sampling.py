@@ -14,11 +14,11 @@ from lossless_checks import (
 )
 from tiny import random_draft, tiny_base
 
-import eagle.model.generate as generate
-from eagle.model.checkpoint import read_checkpoint
-from eagle.model.context_draft import ContextStats
-from eagle.model.tree import TreeDraft
-from eagle.model.verify import SamplingParams
+import eagle.decoding.generate as generate
+from eagle.decoding.context_draft import ContextStats
+from eagle.decoding.tree import TreeDraft
+from eagle.decoding.verify import SamplingParams
+from eagle.models.checkpoint import read_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -98,7 +98,7 @@ def test_the_distribution_check_catches_a_lossy_verifier(model, monkeypatch):
 def test_the_exponential_race_draws_each_token_with_its_probability():
     """The batched draw of the CUDA path (no host sync): each row's token x comes with probability p(x), tokens
     of probability 0 never; the same check rejects a race run the wrong way round (argmax p * E)."""
-    from eagle.model.verify import exponential_race
+    from eagle.decoding.verify import exponential_race
 
     g = torch.Generator().manual_seed(0)
     probs = torch.softmax(torch.randn(3, 12, generator=g) * 1.5, -1)

@@ -1,4 +1,4 @@
-"""The panel kernel (eagle/model/panel_kernel.py, panel_linear.cpp): built here with the machine's compiler,
+"""The panel kernel (eagle/kernels/panel_kernel.py, panel_linear.cpp): built here with the machine's compiler,
 F.linear's product for any shape, each row independent of the others, and cached per source, torch and CPU."""
 
 import os
@@ -12,8 +12,8 @@ import torch
 from kernel_builds import AVX2
 from torch import nn
 
-from eagle.model import few_rows, panel_kernel
-from eagle.model.few_rows import few_row_kernels, install, set_plan, uniform_plan
+from eagle.kernels import few_rows, panel_kernel
+from eagle.kernels.few_rows import few_row_kernels, install, set_plan, uniform_plan
 
 needs_kernel = pytest.mark.skipif(not panel_kernel.available(), reason=f"panel kernel: {panel_kernel._state.get('why')}")
 
@@ -49,7 +49,7 @@ def test_a_row_of_the_panel_kernel_does_not_depend_on_the_other_rows():
 @needs_kernel
 def test_panels_that_do_not_match_the_weight_are_refused_with_the_fix():
     panels = panel_kernel.pack(torch.randn(96, 32))
-    with pytest.raises(RuntimeError, match="pack the weight with eagle.model.panel_kernel.pack"):
+    with pytest.raises(RuntimeError, match="pack the weight with eagle.kernels.panel_kernel.pack"):
         torch.ops.eagle.panel_linear(torch.randn(1, 31), panels, None, 96)
     with pytest.raises(RuntimeError, match="float32"):
         torch.ops.eagle.panel_linear(torch.randn(1, 32, dtype=torch.bfloat16), panels, None, 96)
@@ -141,7 +141,7 @@ def test_the_library_is_cached_per_cpu_and_source(monkeypatch):
 
 CHECK = """
 import sys, torch
-from eagle.model.panel_kernel import pack, width
+from eagle.kernels.panel_kernel import pack, width
 torch.ops.load_library(sys.argv[1])
 assert width() == 16, width()  # the AVX2 build
 for n, k in [(1, 1), (15, 7), (16, 64), (17, 64), (200, 96)]:
@@ -164,6 +164,6 @@ def test_the_avx2_build_computes_the_same(kernel_variant):
     """CI machines differ (AVX2 only, or AVX-512): the code for the other one is built and checked here too, in a
     process of its own (one process loads one library of the operator)."""
     library = kernel_variant(AVX2)
-    root = str(Path(__file__).resolve().parents[1])  # the project, for eagle.model.panel_kernel.pack
+    root = str(Path(__file__).resolve().parents[1])  # the project, for eagle.kernels.panel_kernel.pack
     subprocess.run([sys.executable, "-c", CHECK, str(library)], check=True, timeout=120,
                    env={**os.environ, "PYTHONPATH": root})  # fmt: skip

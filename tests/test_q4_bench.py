@@ -11,7 +11,7 @@ from tiny import random_draft, save_base
 from transformers import AutoTokenizer
 
 from eagle.evaluation import bench
-from eagle.model import panel_kernel
+from eagle.kernels import panel_kernel
 
 needs_kernel = pytest.mark.skipif(
     not panel_kernel.available(), reason=f"panel kernel: {panel_kernel._state.get('why')}"

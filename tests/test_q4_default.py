@@ -9,7 +9,7 @@ import torch
 from eagle import default_model
 from eagle.chat import model_types
 from eagle.default_model import MARKER, default_base_model_path
-from eagle.model import quant_gguf
+from eagle.kernels import quant_gguf
 
 
 def converted_folder(cache):

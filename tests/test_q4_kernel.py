@@ -1,4 +1,4 @@
-"""The panel kernel on GGUF blocks (eagle/model/quant_panels.py, quant_linear.cpp): Q4_1 and Q8_0 weights as
+"""The panel kernel on GGUF blocks (eagle/kernels/quant_panels.py, quant_linear.cpp): Q4_1 and Q8_0 weights as
 gguf-py stores them multiplied as integers by the inputs rounded to 8 or (Q4_1) 16 bits a block, within the stated
 bound of F.linear on the dequantized weights, and each row independent of the others."""
 
@@ -14,8 +14,8 @@ import torch
 from kernel_builds import VARIANTS
 from q4_fixtures import error_bound, random_blocks
 
-from eagle.model import panel_kernel, quant_panels
-from eagle.model.quant_panels import Q4_1, Q8_0
+from eagle.kernels import panel_kernel, quant_panels
+from eagle.kernels.quant_panels import Q4_1, Q8_0
 
 needs_kernel = pytest.mark.skipif(
     not panel_kernel.available(), reason=f"panel kernel: {panel_kernel._state.get('why')}"
@@ -126,7 +126,7 @@ def test_a_tiling_the_kernel_cannot_run_is_refused_and_the_tiling_kept():
 @needs_kernel
 def test_blocks_that_do_not_match_are_refused_with_the_fix():
     panels = quant_panels.pack(Q4_1, random_blocks(Q4_1, 64, 64))
-    with pytest.raises(RuntimeError, match="pack the blocks with eagle.model.quant_panels.pack"):
+    with pytest.raises(RuntimeError, match="pack the blocks with eagle.kernels.quant_panels.pack"):
         quant_panels.linear(torch.randn(1, 96), panels, None, 64, Q4_1)
     with pytest.raises(RuntimeError, match="multiple of 32"):
         quant_panels.linear(torch.randn(1, 48), panels, None, 64, Q4_1)
@@ -141,7 +141,7 @@ CHECK = """
 import sys, torch
 sys.path.insert(0, sys.argv[2])
 from q4_fixtures import random_blocks, error_bound
-from eagle.model import quant_panels
+from eagle.kernels import quant_panels
 torch.ops.load_library(sys.argv[1])
 assert quant_panels.width() == int(sys.argv[3]), quant_panels.width()  # the build asked for
 for qtype, bits in ((quant_panels.Q4_1, 8), (quant_panels.Q4_1, 16), (quant_panels.Q8_0, 8)):

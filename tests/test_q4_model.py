@@ -1,4 +1,4 @@
-"""A base whose config names a GGUF (eagle/model/quant_gguf.py) reads the file's Q4_1 / Q8_0 blocks in its CPU
+"""A base whose config names a GGUF (eagle/kernels/quant_gguf.py) reads the file's Q4_1 / Q8_0 blocks in its CPU
 linears (few_rows.py): the same weights as its float32 copy, logits within the 16-bit rounding of the inputs, and
 greedy EAGLE equal to greedy vanilla on it."""
 
@@ -9,10 +9,10 @@ from q4_fixtures import quantized_tiny_base
 from tiny import random_draft, save_base
 
 from eagle.chat.model_types import forwards_description
-from eagle.model import few_rows, panel_kernel, quant_gguf, quant_panels
-from eagle.model.base import BaseModel
-from eagle.model.checkpoint import read_checkpoint
+from eagle.kernels import few_rows, panel_kernel, quant_gguf, quant_panels
 from eagle.model.ea_model import EaModel, load_head
+from eagle.models.base import BaseModel
+from eagle.models.checkpoint import read_checkpoint
 
 needs_kernel = pytest.mark.skipif(
     not panel_kernel.available(), reason=f"panel kernel: {panel_kernel._state.get('why')}"
@@ -167,7 +167,7 @@ def test_compiled_greedy_eagle_equals_compiled_greedy_vanilla_at_q4_1_weights(tm
     base = quantized_tiny_base(tmp_path / "tiny.gguf", layers=4)
     config, state = read_checkpoint(random_draft(base, str(tmp_path / "draft")))
     model = EaModel(base, load_head(base, config, state), None, total_token=8, depth=3, top_k=4)
-    from eagle.model import runners
+    from eagle.runtime import runners
 
     graphs = runners.decode_graphs(model.base, (1, 8))
     graphs.warm()

@@ -11,9 +11,9 @@ from lossless_checks import PROMPTS
 from q4_fixtures import error_bound
 from tiny import random_draft, tiny_base
 
-from eagle.model import few_rows, panel_kernel, quant_panels
-from eagle.model.checkpoint import read_checkpoint
+from eagle.kernels import few_rows, panel_kernel, quant_panels
 from eagle.model.ea_model import EaModel, load_head
+from eagle.models.checkpoint import read_checkpoint
 
 needs_kernel = pytest.mark.skipif(
     not panel_kernel.available(), reason=f"panel kernel: {panel_kernel._state.get('why')}"

@@ -20,12 +20,12 @@ import os
 import pytest
 import torch
 
-import eagle.model.generate as generate
-from eagle.model.draft import Drafter
+import eagle.decoding.generate as generate
+from eagle.decoding.draft import Drafter
+from eagle.decoding.generate import TreeSpec
+from eagle.decoding.tree import TreeDraft
 from eagle.model.ea_model import EaModel
-from eagle.model.generate import TreeSpec
-from eagle.model.round_graphs import EagerRound
-from eagle.model.tree import TreeDraft
+from eagle.runtime.round_graphs import EagerRound
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "reference_parity")
 with open(os.path.join(FIXTURES, "goldens.json")) as f:

@@ -6,7 +6,7 @@ import torch
 from tiny import draft_config, save_base, tiny_base
 from transformers import AutoModelForCausalLM
 
-from eagle.model.draft_head import DraftConfig, DraftHead
+from eagle.models.draft_head import DraftConfig, DraftHead
 
 POSITION = 2000
 

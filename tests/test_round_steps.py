@@ -1,4 +1,4 @@
-"""A greedy EAGLE-2 round in two steps (eagle/model/round_steps.py, round_graphs.py): device acceptance takes the
+"""A greedy EAGLE-2 round in two steps (eagle/decoding/round_steps.py, round_graphs.py): device acceptance takes the
 host walk's path, the two-step loop gives the general loop's rounds, and the compiled steps give the eager ones."""
 
 import pytest
@@ -6,14 +6,14 @@ import torch
 from lossless_checks import PROMPTS
 from tiny import random_draft, tiny_base
 
-from eagle.model.checkpoint import read_checkpoint
-from eagle.model.draft import HeadStep
+from eagle.decoding.draft import HeadStep
+from eagle.decoding.generate import TreeSpec
+from eagle.decoding.round_steps import DeviceTree, TreeShape, accept_path
+from eagle.decoding.tree import DraftTree, ancestors_on_device
+from eagle.decoding.verify import SamplingParams, TokenPicker, accept
 from eagle.model.ea_model import EaModel, load_head
-from eagle.model.generate import TreeSpec
-from eagle.model.round_graphs import CompiledRound, EagerRound
-from eagle.model.round_steps import DeviceTree, TreeShape, accept_path
-from eagle.model.tree import DraftTree, ancestors_on_device
-from eagle.model.verify import SamplingParams, TokenPicker, accept
+from eagle.models.checkpoint import read_checkpoint
+from eagle.runtime.round_graphs import CompiledRound, EagerRound
 
 TREES = [TreeSpec(8, 3, 4), TreeSpec(12, 2, 3), TreeSpec(60, 7, 10), TreeSpec(2, 3, 1)]
 

@@ -12,9 +12,9 @@ import torch
 from lossless_checks import PROMPTS
 from tiny import random_draft, save_base, tiny_base
 
-from eagle.model import round_graphs
+from eagle.decoding.generate import TreeSpec
 from eagle.model.ea_model import EaModel
-from eagle.model.generate import TreeSpec
+from eagle.runtime import round_graphs
 from eagle.train.ttt import unrolled_forward
 
 DRAFTS = 5  # a chain: top_k 1, one draft per depth

@@ -1,4 +1,4 @@
-"""The batch-invariant attention of bases that read GGUF blocks (eagle/model/row_attention.py, row_attention.cpp):
+"""The batch-invariant attention of bases that read GGUF blocks (eagle/kernels/row_attention.py, row_attention.cpp):
 softmax attention within float32 rounding of SDPA, each row over only the keys it may see, in cache order, so a
 tree node's forward is bit for bit the one-row step of the same token."""
 
@@ -11,8 +11,8 @@ import torch
 from kernel_builds import AVX2
 from q4_fixtures import quantized_tiny_base
 
-from eagle.model import few_rows, panel_kernel, row_attention
-from eagle.model.masks import additive_mask
+from eagle.kernels import few_rows, panel_kernel, row_attention
+from eagle.models.masks import additive_mask
 
 needs_kernel = pytest.mark.skipif(
     not panel_kernel.available(), reason=f"panel kernel: {panel_kernel._state.get('why')}"
@@ -146,7 +146,7 @@ def test_a_float32_base_and_its_draft_head_attend_row_by_row_within_rounding_of_
     does the draft head's layer; both stay within float32 rounding of SDPA (the path without the library)."""
     from tiny import draft_config, tiny_base
 
-    from eagle.model.draft_head import DraftConfig, DraftHead, DraftKVCache
+    from eagle.models.draft_head import DraftConfig, DraftHead, DraftKVCache
 
     base = tiny_base("llama", layers=3)
     ids = torch.randint(0, 16, (1, 23), generator=torch.Generator().manual_seed(1))

@@ -1,4 +1,4 @@
-"""SDPA with shared key/value heads (eagle/model/shared_kv_sdpa.py) attends as transformers' own SDPA does, without
+"""SDPA with shared key/value heads (eagle/kernels/shared_kv_sdpa.py) attends as transformers' own SDPA does, without
 copying heads, and a CPU base attends with it wherever the row operator does not take over."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from tiny import tiny_base
 from torch import nn
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from eagle.model import shared_kv_sdpa
-from eagle.model.base import BaseModel
+from eagle.kernels import shared_kv_sdpa
+from eagle.models.base import BaseModel
 
 
 class Layer(nn.Module):

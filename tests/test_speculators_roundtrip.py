@@ -21,11 +21,10 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-
-from eagle.model.checkpoint import read_checkpoint
-from eagle.model.ea_model import load_head
-
 from tiny import tiny_base
+
+from eagle.model.ea_model import load_head
+from eagle.models.checkpoint import read_checkpoint
 
 FIXTURE = Path(__file__).parent / "fixtures" / "speculators_eagle3"
 EXPECTED = load_file(FIXTURE / "expected.safetensors")

@@ -6,8 +6,8 @@ import pytest
 import torch
 from tiny import random_draft, tiny_base
 
-from eagle.model.checkpoint import read_checkpoint
 from eagle.model.ea_model import EaModel, load_head
+from eagle.models.checkpoint import read_checkpoint
 
 PROMPT = torch.tensor([[5, 3, 9, 2]])
 

@@ -6,9 +6,9 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from eagle.model.masks import additive_mask
-from eagle.model.checkpoint import build_draft_head, read_checkpoint
-from eagle.model.draft_head import DraftConfig, DraftHead
+from eagle.models.checkpoint import build_draft_head, read_checkpoint
+from eagle.models.draft_head import DraftConfig, DraftHead
+from eagle.models.masks import additive_mask
 from eagle.train.export import draft_config, export_head
 from eagle.train.fit import epoch_batches, lr_lambda, make_batches
 from eagle.train.losses import DraftTrainer

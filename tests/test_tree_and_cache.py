@@ -5,14 +5,14 @@ import torch
 from tiny import random_draft, tiny_base
 from transformers import DynamicCache
 
-from eagle.model import panel_kernel
-from eagle.model.checkpoint import read_checkpoint
-from eagle.model.draft import Drafter
+from eagle.decoding.draft import Drafter
+from eagle.decoding.generate import Budget, TreeSpec, eagle_rounds
+from eagle.decoding.tree import MC_SIM_7B_63, DraftTree, TreeDraft
+from eagle.decoding.verify import SamplingParams, TokenPicker
+from eagle.kernels import panel_kernel
 from eagle.model.ea_model import EaModel, load_head
-from eagle.model.generate import Budget, TreeSpec, eagle_rounds
-from eagle.model.kv_cache import TreeKVCache
-from eagle.model.tree import MC_SIM_7B_63, DraftTree, TreeDraft
-from eagle.model.verify import SamplingParams, TokenPicker
+from eagle.models.checkpoint import read_checkpoint
+from eagle.models.kv_cache import TreeKVCache
 
 
 def make_model(tmp_path, eagle3=False, arch="llama", **over):
@@ -182,7 +182,7 @@ def test_compact_moves_kept_rows_into_the_prefix(compaction):
 
 
 def test_compact_copies_only_the_rows_that_moved(monkeypatch):
-    from eagle.model.kv_cache import PreallocatedLayer
+    from eagle.models.kv_cache import PreallocatedLayer
 
     monkeypatch.setattr(panel_kernel, "loaded", lambda: False)  # the copies per layer, counted here
 

@@ -4,10 +4,10 @@ runner's calls are timed apart and unwrapped afterwards, and the table adds up."
 import torch
 from tiny import random_draft, save_base, tiny_base
 
+from eagle.decoding.generate import TreeSpec
 from eagle.evaluation import trees
-from eagle.model import round_graphs
 from eagle.model.ea_model import EaModel
-from eagle.model.generate import TreeSpec
+from eagle.runtime import round_graphs
 
 
 def test_trees_race_vanilla_on_the_same_tokens_and_time_the_runners_calls(tmp_path):

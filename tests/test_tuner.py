@@ -9,9 +9,10 @@ import pytest
 import torch
 from tiny import random_draft, save_base, tiny_base
 
-from eagle.model import cost_cache, few_rows, tuner
+from eagle.kernels import few_rows
 from eagle.model.ea_model import EaModel
-from eagle.model.tuner import expected_tau, pick_tree
+from eagle.tuning import cost_cache, tuner
+from eagle.tuning.tuner import expected_tau, pick_tree
 
 
 def _simulated_tau(accept, total_token, depth, top_k, rounds=40000, seed=0):
@@ -82,7 +83,7 @@ def test_the_two_node_tree_is_priced_by_its_draft_phase_without_expansion():
 
 
 def test_verify_sizes_interpolate_the_sizes_a_compiled_forward_pads_into_a_larger_graph():
-    from eagle.model.compiled import bucket_for
+    from eagle.runtime.compiled import bucket_for
 
     rows = sorted({1, *tuner.SIZES})
     # compiled graphs of 1/4/8/16 rows: a pass of n rows costs its graph's (padded); past 16 rows, eager
@@ -198,7 +199,7 @@ def test_no_tree_option_means_tuned_when_the_head_ships_a_profile(folders):
 
 def test_the_shipped_head_carries_a_usable_acceptance_profile():
     from eagle.chat.model_types import DEFAULT_HEAD_DIR
-    from eagle.model.checkpoint import read_acceptance_profile
+    from eagle.models.checkpoint import read_acceptance_profile
 
     profile = read_acceptance_profile(str(DEFAULT_HEAD_DIR))
     for key in ("0", "0.7"):
@@ -209,8 +210,8 @@ def test_the_shipped_head_carries_a_usable_acceptance_profile():
 
 
 def test_few_row_kernels_auto_takes_the_fastest_kernel_per_row_count_as_timed_here(folders, monkeypatch):
-    from eagle.model import few_rows
-    from eagle.model.base import BaseModel
+    from eagle.kernels import few_rows
+    from eagle.models.base import BaseModel
 
     def plan(model):
         return few_rows.plan_of(model.base_model)
@@ -276,7 +277,7 @@ def test_with_heads_of_two_dtypes_the_tuner_picks_tree_and_dtype_together(folder
 def test_verify_costs_are_timed_with_the_row_counts_taking_turns(monkeypatch):
     """A VM's speed drifts within minutes: row counts timed in blocks one after another would carry that drift into
     their ratios, which pick the tree. Each repeat times every row count once, and each call sees the same cache."""
-    from eagle.model.base import BaseModel
+    from eagle.models.base import BaseModel
 
     base = BaseModel(tiny_base("llama", layers=1), eagle3=False, few_row_plan=False)
     calls, forward = [], base.forward

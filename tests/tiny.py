@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, LlamaConfig, MixtralConfig, Qwen2Config
 
-from eagle.model.draft_head import DraftConfig, DraftHead
+from eagle.models.draft_head import DraftConfig, DraftHead
 
 VOCAB = 16  # small enough that random drafts are often accepted
 

@@ -14,7 +14,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from eagle.model.checkpoint import WEIGHT_FILES
+from eagle.models.checkpoint import WEIGHT_FILES
 
 from .templates import LLAMA2_SYSTEM_PROMPT
 
@@ -61,9 +61,9 @@ MODEL_TYPES: dict[str, ModelType] = {
 }  # fmt: skip
 ALIASES = {"llama-3-instruct": "llama3", "llama-2-chat": "llama2", "llama-3.1-instruct": "llama3.1"}
 DTYPES = ("auto", "float32", "float16", "bfloat16")
-COMPILE_MODES = ("auto", "on", "off", "inductor")  # EaModel.from_pretrained(compile=...), eagle/model/compiled.py
+COMPILE_MODES = ("auto", "on", "off", "inductor")  # EaModel.from_pretrained(compile=...), eagle/runtime/compiled.py
 # The base's weights on CPU: fp32, or q4_1 = a GGUF's own blocks (Q4_1, and Q8_0 where the file has it) read by the
-# panel kernel (eagle/model/quant_gguf.py); auto = q4_1 for the embedded default converted from its GGUF on a CPU
+# panel kernel (eagle/kernels/quant_gguf.py); auto = q4_1 for the embedded default converted from its GGUF on a CPU
 # in float32, else fp32.
 WEIGHTS = ("auto", "fp32", "q4_1")
 
@@ -209,7 +209,7 @@ class LoadedModel:
     @property
     def weights(self) -> str:
         """Which weights the base's CPU linears read now: "fp32", or the GGUF blocks' types (few_rows.weights_of)."""
-        from eagle.model import few_rows
+        from eagle.kernels import few_rows
 
         return few_rows.weights_of(self.model.base_model)
 
@@ -238,7 +238,7 @@ class LoadedModel:
 def forwards_description(model) -> str:
     """How the base's forwards run: compiled graphs (and their row buckets) or eager, the few-row kernels, and for
     GGUF blocks the quantized kernel's tiling."""
-    from eagle.model import few_rows, quant_panels
+    from eagle.kernels import few_rows, quant_panels
 
     compiled = model.base.compiled
     text = f"compiled ({compiled.kind}; {'/'.join(map(str, compiled.buckets))}-row graphs)" if compiled else "eager"

@@ -23,7 +23,7 @@ import sys
 import torch
 from tqdm.auto import tqdm
 
-from eagle.model.cost_cache import cpu_description
+from eagle.tuning.cost_cache import cpu_description
 
 from .floor import floor, read_bytes_per_token
 from .methods import DEFAULT_METHODS, METHODS, Settings, load_assistant, make_runners, parse_methods

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from eagle.model.timing import repeated_seconds
+from eagle.timing import repeated_seconds
 
 
 def stream_bandwidth(device: str = "cpu", mib: int = 256, repeats: int = 7) -> float:
@@ -40,9 +40,9 @@ def weight_bytes_per_token(model: torch.nn.Module) -> int:
 
 
 def read_bytes_per_token(model) -> int:
-    """Bytes of weights a one-token forward reads where linears read GGUF blocks (eagle/model/few_rows.py): the
+    """Bytes of weights a one-token forward reads where linears read GGUF blocks (eagle/kernels/few_rows.py): the
     float32 weights of the others, the panels of those (blocks, scales and minimums)."""
-    from eagle.model import few_rows
+    from eagle.kernels import few_rows
 
     total = weight_bytes_per_token(model)
     for layer in model.modules():

@@ -5,9 +5,9 @@
     python -m eagle.evaluation.gemm_kernels --rows 1 --dtype bfloat16 \\
         --variants '{}' '{"max_autotune_gemm_backends": "ATEN"}'
 
-A stack of `--layers` bias-free linears of [N, K] (one graph, weights frozen as in eagle/model/compiled.py) is
+A stack of `--layers` bias-free linears of [N, K] (one graph, weights frozen as in eagle/runtime/compiled.py) is
 compiled once per variant (a JSON object of inductor options over compiled.py's, e.g. `cpp.gemm_cache_blocking`,
-`cpp.gemm_thread_factors`, `max_autotune_gemm_backends`; or `panel`: the panel kernel, eagle/model/panel_kernel.py,
+`cpp.gemm_thread_factors`, `max_autotune_gemm_backends`; or `panel`: the panel kernel, eagle/kernels/panel_kernel.py,
 called eagerly as the few-row layers call it) and the variants are timed interleaved in one process,
 so the machine's drift hits them alike. Reported: median ms, the weights' bytes per second (a GEMV's limit is the
 machine's bandwidth) and GFLOP/s (a GEMM's limit is its FMA peak). The compiled verify pass's cost per row count
@@ -25,9 +25,9 @@ import time
 import torch
 from torch import nn
 
-from eagle.model import few_rows, panel_kernel
-from eagle.model.compiled import OPTIONS, freeze_without_mkl_packing
-from eagle.model.cost_cache import cpu_description
+from eagle.kernels import few_rows, panel_kernel
+from eagle.runtime.compiled import OPTIONS, freeze_without_mkl_packing
+from eagle.tuning.cost_cache import cpu_description
 
 
 class Stack(nn.Module):

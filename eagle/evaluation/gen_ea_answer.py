@@ -24,7 +24,7 @@ import uuid
 import torch
 
 from eagle.chat.templates import build_prompt, encode
-from eagle.model.timing import timed
+from eagle.timing import timed
 
 from .models import add_model_args, exit_on_bad_options, load_from_args, log
 from .questions import load_mtbench_questions

@@ -24,7 +24,7 @@ from types import SimpleNamespace
 
 import torch
 
-from eagle.model.cuda_graphs import CAPACITY  # positions of the graphs' caches: a timed context + its rows fit
+from eagle.runtime.cuda_graphs import CAPACITY  # positions of the graphs' caches: a timed context + its rows fit
 
 ASSETS = Path(__file__).resolve().parents[2] / "assets"
 
@@ -110,7 +110,7 @@ def build_base(name: str, dtype: torch.dtype, device: torch.device, scale: int =
 
 def random_head_state(base, fields: dict) -> tuple[dict, dict]:
     """(config, state) of a random EAGLE-3 head for `base` in the reference layout (d2t/t2d for its vocabulary)."""
-    from eagle.model.draft_head import DraftConfig, DraftHead
+    from eagle.models.draft_head import DraftConfig, DraftHead
 
     c = base.config
     draft_vocab = min(fields["draft_vocab_size"], c.vocab_size)
@@ -129,8 +129,8 @@ def random_head_state(base, fields: dict) -> tuple[dict, dict]:
 
 def build_model(name: str, dtype: torch.dtype, device: torch.device, scale: int = 1):
     """EaModel of the random base and its head (the shipped one for the embedded default), tree 60/7/10."""
-    from eagle.model.checkpoint import read_checkpoint
     from eagle.model.ea_model import EaModel, load_head
+    from eagle.models.checkpoint import read_checkpoint
 
     spec = BASES[name]
     base = build_base(name, dtype, device, scale)
@@ -150,9 +150,9 @@ def graph(model, capture: bool, direct: bool = False) -> dict:
     the base's passes and the head's steps, timed against eager once), then the greedy round's own graphs for the
     tree (cuda_round.py: draft, verify, keep); with capture off the same runners built directly (what the tests
     do). Returns what it said and the seconds it took."""
-    from eagle.model.cuda_graphs import BUCKETS, DRAFT_BUCKETS, GraphedDecode, GraphedDraft
-    from eagle.model.draft import HeadStep
+    from eagle.decoding.draft import HeadStep
     from eagle.model.compiling import compile_rounds
+    from eagle.runtime.cuda_graphs import BUCKETS, DRAFT_BUCKETS, GraphedDecode, GraphedDraft
 
     t0, lines = time.perf_counter(), []
     if capture and not direct:
@@ -197,7 +197,7 @@ def inductor_round(model, tree: tuple = TREE, new: int = 100, prompt: int = 64) 
     """The vanilla step and the `tree` round as CUDA graphs of inductor's kernels (each graph compiled, then captured),
     beside the same graphs of eager kernels (the ones in use), in one span of keys (prompt + new within the first):
     tokens/s, ms per forward, the round in vanilla steps, and whether EAGLE's tokens equal vanilla's."""
-    from eagle.model.generate import TreeSpec
+    from eagle.decoding.generate import TreeSpec
 
     ids = prompt_ids(model.base.vocab_size, prompt)
     before = model.base.compiled, model.tree
@@ -216,9 +216,9 @@ def inductor_round(model, tree: tuple = TREE, new: int = 100, prompt: int = 64) 
 def graphed_round(model, ids: torch.Tensor, new: int, inductor: bool) -> dict:
     """Vanilla and EAGLE on freshly built graphs of the 1-row step and of the round for the tree in use (inductor's
     kernels or eager ones), and whether their tokens agree."""
-    from eagle.model.cuda_graphs import GraphedDecode
-    from eagle.model.cuda_round import CudaRound
-    from eagle.model.draft import HeadStep
+    from eagle.decoding.draft import HeadStep
+    from eagle.runtime.cuda_graphs import GraphedDecode
+    from eagle.runtime.cuda_round import CudaRound
 
     shape = model.shape_of(model.tree)
     model.base.compiled = GraphedDecode(model.base, (1,), CAPACITY, inductor=inductor)
@@ -237,9 +237,9 @@ def round_trees(model, ids: torch.Tensor, new: int, step_ms: float, tau: float, 
     forward is a round's cost; the keep step, which runs only when drafts are accepted, is left out), in vanilla
     steps, the tau the head's acceptance profile predicts (the measured tau for TREE where it has none) and the
     projected speedup tau x step / round."""
-    from eagle.model.checkpoint import read_acceptance_profile
-    from eagle.model.generate import TreeSpec
-    from eagle.model.tuner import expected_tau
+    from eagle.decoding.generate import TreeSpec
+    from eagle.models.checkpoint import read_acceptance_profile
+    from eagle.tuning.tuner import expected_tau
 
     profile = read_acceptance_profile(str(head)) if isinstance(head, Path) else None
     accept = profile["accept"]["0"] if profile else None
@@ -309,7 +309,7 @@ def engine_tokens_per_s(model, ids: torch.Tensor, new: int, eagle: bool) -> dict
 def graphed_pass(model, rows: int, context: int):
     """Yields a function running one graphed base pass over `rows` rows after `context` cached positions (as a
     verify pass runs it; the cache cropped back after each), the prefill done before."""
-    from eagle.model.masks import additive_mask
+    from eagle.models.masks import additive_mask
 
     base, graphs = model.base, model.base.compiled
     device = base.input_device
@@ -418,7 +418,7 @@ def tuned_tree(model, head: Path) -> dict:
     with its predicted tau and tokens/s: the head's real acceptance on this device's costs."""
     from dataclasses import asdict
 
-    from eagle.model.checkpoint import read_acceptance_profile
+    from eagle.models.checkpoint import read_acceptance_profile
 
     model.acceptance = read_acceptance_profile(str(head))["accept"]["0"]
     lines: list[str] = []

@@ -22,7 +22,7 @@ from typing import Callable
 
 import torch
 
-from eagle.model.timing import timed
+from eagle.timing import timed
 
 LLAMA_CPP_METHODS = ("llama_cpp", "llama_cpp_f16", "llama_cpp_q4_1")  # not in DEFAULT_METHODS: an optional extra
 METHODS = ("hf", "hf_pld", "hf_assisted", "vanilla", "eagle", "eagle_ctx", "eagle_static", *LLAMA_CPP_METHODS)
@@ -126,8 +126,8 @@ def make_runners(names: list[str], model, settings: Settings, assistant: dict | 
                  base_path: str | None = None, model_type: str = "") -> dict[str, Runner]:  # fmt: skip
     """Runners for `names` (in that order). `model` is an EaModel, its tree spec the EAGLE-2 one; `assistant`
     comes from `load_assistant`; `base_path` is the base's local folder (the llama_cpp methods convert it)."""
-    from eagle.model.generate import TreeSpec
-    from eagle.model.tree import MC_SIM_7B_63
+    from eagle.decoding.generate import TreeSpec
+    from eagle.decoding.tree import MC_SIM_7B_63
 
     runners: dict[str, Runner] = {}
     for name in names:

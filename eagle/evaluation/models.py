@@ -37,7 +37,7 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
                    "kernel (the embedded default; auto = q4_1 where the default base was converted from its GGUF)")
     g.add_argument("--device-map", default=None, help="transformers device_map (default: 'auto' on GPU, CPU otherwise)")
     g.add_argument("--compile", choices=COMPILE_MODES, default="auto",
-                   help="compiled rounds (CPU: eagle/model/compiled.py; CUDA: cuda_graphs.py): on (minutes on a "
+                   help="compiled rounds (CPU: eagle/runtime/compiled.py; CUDA: cuda_graphs.py): on (minutes on a "
                    "CPU the first time, cached), off, auto = on where a start with 'on' measured them faster "
                    "(default), or inductor = on, and on CUDA with inductor's kernels in the graphs")  # fmt: skip
 

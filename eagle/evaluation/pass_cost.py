@@ -5,7 +5,7 @@
 
 For each n: the median wall time of the engine's base forward over n tokens after a --context prefix
 (features included, as in a verify pass), with the kernel plan measured on this machine, and on CPU in float32
-the same with each few-row kernel (eagle/model/few_rows.py: F.linear, W @ x^T, MKL-packed, panel: on GGUF blocks
+the same with each few-row kernel (eagle/kernels/few_rows.py: F.linear, W @ x^T, MKL-packed, panel: on GGUF blocks
 with `--weights q4_1`) for every row count, eagerly (with --compile, the engine column times the compiled graphs
 where a bucket holds the rows).
 The ratio to the 1-row time is what verifying an n-node tree costs in decode steps:
@@ -20,8 +20,8 @@ import sys
 
 import torch
 
-from eagle.model import few_rows
-from eagle.model.cost_cache import cpu_description
+from eagle.kernels import few_rows
+from eagle.tuning.cost_cache import cpu_description
 
 from .floor import floor, read_bytes_per_token
 from .models import add_model_args, device_name, exit_on_bad_options, load_from_args, log

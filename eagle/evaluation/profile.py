@@ -5,7 +5,8 @@
 
 Prompts are MT-bench first turns (or --question-file), taken in order until N rounds (one base verify forward
 each; the prefill of every prompt is reported apart) have run. The engine is not modified: for the profiled pass
-the profiler wraps functions of eagle.model.{generate,draft,tree,base,kv_cache} and restores them afterwards.
+the profiler wraps functions of eagle.decoding.{generate,draft,tree} and eagle.models.{base,kv_cache} and restores
+them afterwards.
 Each phase's time is its *self* time (time in nested timed phases is subtracted), so the rows add up to the
 profiled round time; what no wrapper covers (the round loop, Budget, building small tensors, generator
 hand-offs) is the "python overhead" row. On CUDA every phase boundary synchronises the device, so phases are
@@ -23,7 +24,7 @@ from collections import defaultdict
 
 import torch
 
-from eagle.model.timing import synchronize_all
+from eagle.timing import synchronize_all
 
 from .models import add_model_args, device_name, exit_on_bad_options, load_from_args, log
 from .prompts import build_prompts
@@ -88,12 +89,12 @@ class PhaseClock:
 @contextlib.contextmanager
 def instrument(clock: PhaseClock, model):
     """Wrap the engine's phase functions (class and module attributes), restoring them on exit."""
-    from eagle.model import generate
-    from eagle.model.base import BaseModel
-    from eagle.model.draft import Drafter, HeadStep
-    from eagle.model.kv_cache import TreeKVCache
-    from eagle.model.round_graphs import CompiledRound, EagerRound
-    from eagle.model.tree import DraftTree
+    from eagle.decoding import generate
+    from eagle.decoding.draft import Drafter, HeadStep
+    from eagle.decoding.tree import DraftTree
+    from eagle.models.base import BaseModel
+    from eagle.models.kv_cache import TreeKVCache
+    from eagle.runtime.round_graphs import CompiledRound, EagerRound
 
     def base_forward(parent, args, kwargs):
         return "verify"  # the prefill lands in the "prefill" bucket
@@ -173,8 +174,8 @@ def run_rounds(model, prompts, rounds: int, args, eagle: bool, tree, clock: Phas
 
 
 def profile(model, prompts, args) -> dict:
-    from eagle.model.generate import TreeSpec
-    from eagle.model.tree import MC_SIM_7B_63
+    from eagle.decoding.generate import TreeSpec
+    from eagle.decoding.tree import MC_SIM_7B_63
 
     t = model.tree
     dynamic = TreeSpec(t.total_token, t.depth, t.top_k)

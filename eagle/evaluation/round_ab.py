@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from eagle.model.cost_cache import cpu_description
+from eagle.tuning.cost_cache import cpu_description
 
 from .bench import add_question_args, load_questions
 from .models import add_model_args, exit_on_bad_options, load_from_args, log

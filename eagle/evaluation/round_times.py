@@ -28,12 +28,12 @@ import torch
 from eagle.evaluation.bench import add_question_args, load_questions
 from eagle.evaluation.models import add_model_args, device_name, exit_on_bad_options, load_from_args, log
 from eagle.evaluation.prompts import build_prompts
-from eagle.model.timing import timed
+from eagle.timing import timed
 
 
 def runner_name(model) -> str:
     """The class of the greedy round runner that `EaModel.stream` uses for the tree in use ('none': the forwards')."""
-    from eagle.model.verify import SamplingParams, TokenPicker
+    from eagle.decoding.verify import SamplingParams, TokenPicker
 
     runner = model.round_runner(model.tree, TokenPicker(SamplingParams(0.0, 0.0, 0)))
     return type(runner).__name__ if runner is not None else "none"

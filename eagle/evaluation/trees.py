@@ -20,8 +20,8 @@ from pathlib import Path
 
 import torch
 
-from eagle.model import round_graphs
-from eagle.model.generate import TreeSpec
+from eagle.decoding.generate import TreeSpec
+from eagle.runtime import round_graphs
 
 from . import round_times
 from .bench import add_question_args, load_questions

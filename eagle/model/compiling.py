@@ -11,7 +11,8 @@ import hashlib
 
 import torch
 
-from . import cost_cache, few_rows, quant_panels, tuner
+from eagle.kernels import few_rows, quant_panels
+from eagle.tuning import cost_cache, tuner
 
 
 def compile_rounds(model, mode: str, log, swap=None) -> bool | None:
@@ -27,7 +28,7 @@ def compile_rounds(model, mode: str, log, swap=None) -> bool | None:
     compiles to measure. Failures stay eager with one line in `log`. Returns whether the base's forwards are
     compiled in the end, or what `swap` returns. Mode "inductor": "on", with inductor's kernels in the CUDA graphs
     (runners.decode_graphs)."""
-    from . import runners
+    from eagle.runtime import runners
 
     base = model.base
     cuda = runners.on_cuda(base.lm_head)

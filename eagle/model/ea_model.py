@@ -17,18 +17,20 @@ from typing import Iterator
 import torch
 from torch import nn
 
-from . import few_rows, quant_panels, runners
-from .base import BaseModel
-from .checkpoint import build_draft_head, read_acceptance_profile, read_checkpoint, read_context_profile
+from eagle.decoding.context_draft import BUCKETS, ContextDrafter, ContextStats
+from eagle.decoding.draft import Drafter, HeadStep
+from eagle.decoding.generate import Budget, Round, TreeSpec, eagle_rounds, greedy_tree_rounds, vanilla_rounds
+from eagle.decoding.round_steps import TreeShape
+from eagle.decoding.verify import SamplingParams, TokenPicker
+from eagle.kernels import few_rows, quant_panels
+from eagle.models.base import BaseModel
+from eagle.models.checkpoint import build_draft_head, read_acceptance_profile, read_checkpoint, read_context_profile
+from eagle.models.draft_head import DraftHead
+from eagle.runtime import runners
+from eagle.runtime.round_graphs import EagerRound
+from eagle.tuning.tuner import TreeChoice, faster_draft_dtype, few_row_plan, panel_tiling, tune
+
 from .compiling import compile_rounds
-from .context_draft import BUCKETS, ContextDrafter, ContextStats
-from .draft import Drafter, HeadStep
-from .draft_head import DraftHead
-from .generate import Budget, Round, TreeSpec, eagle_rounds, greedy_tree_rounds, vanilla_rounds
-from .round_graphs import EagerRound
-from .round_steps import TreeShape
-from .tuner import TreeChoice, faster_draft_dtype, few_row_plan, panel_tiling, tune
-from .verify import SamplingParams, TokenPicker
 
 # End-of-turn tokens of common chat templates; those present in the vocabulary stop generation.
 END_OF_TURN_TOKENS = ("<|eot_id|>", "<|im_end|>", "<|end_of_text|>", "<|endoftext|>", "</s>", "<|end|>", "<|eom_id|>")
@@ -56,7 +58,7 @@ class EaModel(nn.Module):
         self, base_model: nn.Module, ea_layer: DraftHead, tokenizer=None, total_token: int = 60, depth: int = 7,
         top_k: int = 10, tree_choices: list[list[int]] | None = None, few_row_plan: dict | bool | None = None,
     ):  # fmt: skip
-        """few_row_plan: the kernel per row count of the base's float32 CPU layers (eagle/model/few_rows.py;
+        """few_row_plan: the kernel per row count of the base's float32 CPU layers (eagle/kernels/few_rows.py;
         None = its default plan, False = plain nn.Linear)."""
         super().__init__()
         runners.device_settings(base_model)
@@ -101,9 +103,9 @@ class EaModel(nn.Module):
         `draft_dtype` runs the head in another dtype than the base (None = the base's; "auto" = bfloat16 where a
         float32 CPU head drafts faster in it, timed here): the head only proposes tokens and the base verifies
         them, so a bfloat16 head under a float32 base stays lossless. `few_row_kernels` (float32 CPU layers,
-        eagle/model/few_rows.py): True = the default plan, False = none, "auto" = the fastest kernel per row count
+        eagle/kernels/few_rows.py): True = the default plan, False = none, "auto" = the fastest kernel per row count
         as timed on this machine (cached; for linears that read GGUF blocks, the quantized kernel's fastest tiling),
-        or a plan {rows: kernel}. `compile` (CPU, eagle/model/compiled.py):
+        or a plan {rows: kernel}. `compile` (CPU, eagle/runtime/compiled.py):
         "on" = the vanilla step and verify passes as compiled graphs (minutes the first time on a small CPU;
         eager if compiling fails, said through `log`), "off", or "auto" = on where a start with "on" measured
         them faster on this machine; on CUDA "on" captures CUDA graphs of the eager kernels (seconds), "inductor"

@@ -32,7 +32,7 @@ from .ttt import live_positions, shift, unrolled_forward
 def profile_sums(head, embed: torch.nn.Module, base_lm_head: torch.Tensor, batch: dict, depth: int, top_k: int,
                  temperatures: tuple[float, ...], transform=None) -> dict[str, torch.Tensor]:  # fmt: skip
     """Sums over one collated batch (`fit.collate`): "count/T" [depth] positions and "hits/T" [depth, top_k].
-    `transform`: the base's processing of its logits (eagle/model/logits.py), None = none."""
+    `transform`: the base's processing of its logits (eagle/models/logits.py), None = none."""
     outs = unrolled_forward(head, embed, batch["features"], batch["input_ids"], depth)
     sums: dict[str, torch.Tensor] = {}
     on_path = torch.ones_like(batch["loss_mask"])  # the data so far is the base's greedy path
@@ -66,7 +66,7 @@ def profile_sums(head, embed: torch.nn.Module, base_lm_head: torch.Tensor, batch
 def acceptance_profile(head, data, indices: list[int], depth: int = 7, top_k: int = 10,
                        temperatures: tuple[float, ...] = (0.0, 0.7), batch_tokens: int = 4096) -> dict:  # fmt: skip
     """The profile over samples `indices` of `data` (a `CachedData`), as a JSON-ready dict."""
-    from eagle.model.logits import logit_transform
+    from eagle.models.logits import logit_transform
 
     from .fit import collate, make_batches
 
@@ -91,8 +91,8 @@ def acceptance_profile(head, data, indices: list[int], depth: int = 7, top_k: in
 
 def load_head_only(folder: str):
     """An exported head as a float32 `DraftHead` on CPU, without its base (the profile needs no base model)."""
-    from eagle.model.checkpoint import detect_eagle3, read_checkpoint
-    from eagle.model.draft_head import DraftConfig, DraftHead
+    from eagle.models.checkpoint import detect_eagle3, read_checkpoint
+    from eagle.models.draft_head import DraftConfig, DraftHead
 
     config, state = read_checkpoint(folder)
     head = DraftHead(DraftConfig.from_dict(config, detect_eagle3(config, state, None)), own_embedding=False)

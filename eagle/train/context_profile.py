@@ -24,7 +24,7 @@ import torch
 
 from eagle.chat.model_types import WEIGHTS, ModelLoadError, load, model_type
 from eagle.chat.templates import build_prompt, encode
-from eagle.model.context_draft import CHAINS, ContextStats
+from eagle.decoding.context_draft import CHAINS, ContextStats
 
 
 def log(line: str) -> None:

@@ -3,7 +3,7 @@
 A cache is a folder (``$EAGLE_CACHE/train/<name>``, default ``~/.cache/eagle/train/<name>``) holding
 
     meta.json                    how it was made (base model, template, recipe, max_len, ...), the base's text config
-                                 and model type (its logit processing, eagle/model/logits.py, derives from them)
+                                 and model type (its logit processing, eagle/models/logits.py, derives from them)
     base.safetensors             embed [V, H], lm_head [V, H] (absent when tied), norm [H]: the frozen base weights
     shard_00000.safetensors ...  samples concatenated along the token axis (offsets [n + 1] delimit them):
         input_ids [N] int32       the conversation tokens x_t
@@ -29,8 +29,8 @@ from pathlib import Path
 
 import torch
 
-from eagle.model.base import eagle3_feature_layers
-from eagle.model.logits import logit_transform
+from eagle.models.base import eagle3_feature_layers
+from eagle.models.logits import logit_transform
 
 from .cpu import keep_freed_memory
 from .export import write_safetensors

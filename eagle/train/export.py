@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from eagle.model.draft_head import DraftHead
+from eagle.models.draft_head import DraftHead
 
 EXPORT_DTYPES = {"fp16": torch.float16, "float16": torch.float16, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
                  "fp32": torch.float32, "float32": torch.float32}  # fmt: skip

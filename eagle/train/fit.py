@@ -21,8 +21,8 @@ from pathlib import Path
 
 import torch
 
-from eagle.model.draft_head import DraftConfig, DraftHead
-from eagle.model.logits import logit_transform
+from eagle.models.draft_head import DraftConfig, DraftHead
+from eagle.models.logits import logit_transform
 
 from .cpu import keep_freed_memory
 from .data import CachedData
@@ -174,7 +174,7 @@ def build_head(cfg: FitConfig, items: Items, config: dict, log) -> DraftHead:
     # reply-token frequencies of the training split (one pass over the data): the vocabulary and its coverage
     counts = token_counts(items.ids_and_masks(items.train), config["vocab_size"]) if eagle3 else None
     if cfg.init_from:
-        from eagle.model.checkpoint import read_checkpoint
+        from eagle.models.checkpoint import read_checkpoint
 
         if cfg.init_from.endswith(".pt"):  # a training checkpoint (checkpoints/step_*.pt)
             state = torch.load(cfg.init_from, map_location="cpu", weights_only=False)["head"]

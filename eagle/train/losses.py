@@ -17,7 +17,7 @@ softmax(base logits of the real one) over the full vocabulary; the input feature
 U(-0.1, 0.1) * 512 / length during training.
 
 "Base logits" of a feature h are the base's own: lm_head(h), then the base's processing after its lm_head
-(soft-capping, scaling: eagle/model/logits.py; `logit_transform`), so soft targets follow the distribution the
+(soft-capping, scaling: eagle/models/logits.py; `logit_transform`), so soft targets follow the distribution the
 base samples from. The transforms are elementwise, so restricting to the draft vocabulary commutes with them.
 
 Both return the loss and metric *sums* (so they can be added across batches and processes): per step k the
@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from eagle.model.draft_head import DraftHead
+from eagle.models.draft_head import DraftHead
 
 from .ttt import chain_length, live_positions, shift, unrolled_forward
 

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from eagle.model.draft_head import DraftHead
+from eagle.models.draft_head import DraftHead
 
 
 def shift(x: torch.Tensor, n: int, fill=0) -> torch.Tensor:

@@ -27,9 +27,11 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from . import cost_cache, few_rows, quant_panels
-from .context_draft import CHAINS, pick_chains
-from .timing import repeated_seconds
+from eagle.decoding.context_draft import CHAINS, pick_chains
+from eagle.kernels import few_rows, quant_panels
+from eagle.timing import repeated_seconds
+
+from . import cost_cache
 
 SIZES = (2, 3, 4, 6, 8, 12, 16, 24, 32, 40, 48, 60)
 TOP_KS = (1, 2, 3, 4, 6, 8, 10)
@@ -87,7 +89,7 @@ def draft_seconds(
     """Median seconds of one draft phase per (depth, top_k): commit two accepted tokens, then grow the tree (depth
     expansion levels; depth 0: the root's children alone, a 2-node tree's). head_and_graphs: a head and its
     `CompiledDraft` (or None) to time instead of the model's."""
-    from .draft import Drafter
+    from eagle.decoding.draft import Drafter
 
     head, graphs = head_and_graphs or (model.ea_layer, model.compiled_draft)
     with Drafter(head, model.base.lm_head, context + 2 + max(depths) * max(top_ks), graphs) as drafter:

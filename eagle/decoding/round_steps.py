@@ -26,7 +26,8 @@ from typing import NamedTuple
 
 import torch
 
-from .masks import additive_mask, tree_mask, with_tree
+from eagle.models.masks import additive_mask, tree_mask, with_tree
+
 from .tree import ancestors_on_device
 
 

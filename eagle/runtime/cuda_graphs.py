@@ -28,9 +28,10 @@ import time
 
 import torch
 
-from .masks import additive_mask, widened
+from eagle.models.kv_cache import TreeKVCache
+from eagle.models.masks import additive_mask, widened
+
 from .compiled import RECOMPILE_LIMIT, bucket_for, pad_rows
-from .kv_cache import TreeKVCache
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # base rows: the vanilla step, then trees up to 64 nodes (a GPU verifies flat)
 DRAFT_BUCKETS = (1, 2, 4, 8, 16, 32)  # draft rows: a level's width (top_k), a round's commit (depth + 1)

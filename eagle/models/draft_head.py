@@ -10,7 +10,7 @@ Two formats share this module (both load the reference project's checkpoints unm
   vocabulary mapped to target ids by `d2t` (target = draft + d2t[draft]).
 
 Other producers' EAGLE-3 heads (SpecForge, speculators/vLLM, ModelOpt, AngelSlim) are this layer with switches
-(norms before fc, the residual, the fed-back state; DraftConfig's variant fields), set by eagle/model/head_formats.py.
+(norms before fc, the residual, the fed-back state; DraftConfig's variant fields), set by eagle/models/head_formats.py.
 
 Position t consumes (feature f_t, token x_{t+1}) and predicts f_{t+1}, hence token x_{t+2}.
 """
@@ -26,8 +26,7 @@ from transformers import LlamaConfig
 from transformers.activations import ACT2FN
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
-from . import quant_panels, row_attention
-
+from eagle.kernels import quant_panels, row_attention
 
 VARIANT_DEFAULTS = {
     "norm_before_fc": False, "fc_norm": False, "norm_before_residual": False, "hidden_input_norm": False,
@@ -55,7 +54,7 @@ class DraftConfig:
     rope: dict = field(default_factory=dict)  # rope_theta / rope_scaling as found in the file
     raw: dict = field(default_factory=dict)
     explicit_head_dim: int | None = None  # set from the weights by head_formats.normalize
-    # EAGLE-3 variants of other producers (eagle/model/head_formats.py); the defaults are the reference's layer.
+    # EAGLE-3 variants of other producers (eagle/models/head_formats.py); the defaults are the reference's layer.
     feature_layers: tuple[int, ...] | None = None  # indices into the base's hidden_states; None = (2, L//2, L-3)
     norm_before_fc: bool = False  # input_norm over the concatenated features before fc (speculators)
     fc_norm: bool = False  # one RMSNorm per feature block before fc (SpecForge's EAGLE-3.1, speculators)
@@ -247,7 +246,7 @@ class DraftLayer(nn.Module):
 
 
 class DraftHead(nn.Module):
-    """State-dict keys follow the reference checkpoints exactly (see eagle/model/checkpoint.py)."""
+    """State-dict keys follow the reference checkpoints exactly (see eagle/models/checkpoint.py)."""
 
     def __init__(self, cfg: DraftConfig, own_embedding: bool = True):
         """own_embedding=False: the head uses the base model's embedding (`share_embedding`), which stays out of

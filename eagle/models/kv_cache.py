@@ -19,8 +19,8 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from . import panel_kernel
-from .transfer import to_device
+from eagle.kernels import panel_kernel
+from eagle.transfer import to_device
 
 
 class PreallocatedLayer(CacheLayerMixin):

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import torch
 
-from . import compiled, compiled_draft, cuda_graphs, few_rows
+from eagle.decoding.round_steps import TreeShape
+from eagle.kernels import few_rows
+
+from . import compiled, compiled_draft, cuda_graphs
 from .cuda_round import CudaRound
 from .round_graphs import CompiledRound
-from .round_steps import TreeShape
 
 
 def on_cuda(module) -> bool:

@@ -1,5 +1,5 @@
 """Load a draft checkpoint, unmodified, from a folder or a hub id: the reference project's layouts, and EAGLE-3
-heads of other producers (SpecForge, speculators/vLLM, ModelOpt, AngelSlim: eagle/model/head_formats.py).
+heads of other producers (SpecForge, speculators/vLLM, ModelOpt, AngelSlim: eagle/models/head_formats.py).
 
 Files: `config.json` plus `model.safetensors` or `pytorch_model.bin` (pickles load with weights_only=True).
 The format is detected from the keys: `midlayer.*`, `d2t` or a layer with a `hidden_norm` means EAGLE-3, `layers.0.*`

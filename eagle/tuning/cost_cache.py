@@ -10,7 +10,7 @@ import json
 
 import torch
 
-from . import few_rows, panel_kernel, quant_panels
+from eagle.kernels import few_rows, panel_kernel, quant_panels
 
 
 def cpu_description() -> dict:
@@ -38,7 +38,7 @@ def compiled_options() -> str:
     are not reused)."""
     import inspect
 
-    from . import aot_store, compiled, compiled_draft, cuda_graphs
+    from eagle.runtime import aot_store, compiled, compiled_draft, cuda_graphs
 
     sources = "".join(map(inspect.getsource, (compiled, compiled_draft, aot_store, cuda_graphs)))
     code = hashlib.sha256(sources.encode()).hexdigest()[:12]

@@ -71,11 +71,14 @@ class SameKernelCalls(CustomGraphPass):
 
 @functools.lru_cache(maxsize=1)
 def sources_digest() -> str:
-    """A hash of this package's model sources (eagle/model/*.py, *.cpp): a change to any of them is a new key."""
+    """A hash of the engine's sources that graphs are built from (eagle/{model,models,decoding,runtime,kernels}/*.py,
+    *.cpp and eagle/timing.py, transfer.py): a change to any of them is a new key."""
     digest = hashlib.blake2b(digest_size=16)
-    folder = Path(__file__).parent
-    for path in sorted([*folder.glob("*.py"), *folder.glob("*.cpp")]):
-        digest.update(path.name.encode())
+    eagle = Path(__file__).parent.parent
+    folders = [eagle / name for name in ("model", "models", "decoding", "runtime", "kernels")]
+    files = [eagle / "timing.py", eagle / "transfer.py"]
+    for path in sorted([*files, *(p for folder in folders for p in (*folder.glob("*.py"), *folder.glob("*.cpp")))]):
+        digest.update(str(path.relative_to(eagle)).encode())
         digest.update(path.read_bytes())
     return digest.hexdigest()
 

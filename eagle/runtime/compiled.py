@@ -39,8 +39,10 @@ import time
 
 import torch
 
-from . import aot_store, few_rows
-from .masks import additive_mask
+from eagle.kernels import few_rows
+from eagle.models.masks import additive_mask
+
+from . import aot_store
 
 BUCKETS = (1, 4, 8, 16)
 # inductor's GEMM backends, tried in order: the first whose graphs compile is kept (see the module docstring)

@@ -1,6 +1,6 @@
 """What a base's `*ForCausalLM.forward` does to its logits after the lm_head, as a callable on a logits tensor.
 
-The engine calls the decoder and the lm_head itself (eagle/model/base.py), so it must apply this processing too:
+The engine calls the decoder and the lm_head itself (eagle/models/base.py), so it must apply this processing too:
 sampling follows softmax(processed logits), and the losslessness promise is about that distribution.
 
 Found by reading the forwards of the `AutoModelForCausalLM` classes of transformers 5.23 (the lines after

@@ -5,7 +5,7 @@ Features handed to the draft head:
 - EAGLE-3: hidden_states[2], [L // 2], [L - 3] concatenated [.., 3H] (the inputs of those decoder layers), or the
   layers the head names (`DraftConfig.base_feature_layers`).
 
-Logits are the lm_head's followed by the base's own processing (soft-capping, scaling: eagle/model/logits.py), as
+Logits are the lm_head's followed by the base's own processing (soft-capping, scaling: eagle/models/logits.py), as
 its `*ForCausalLM.forward` computes them; a base whose forward does something else is refused at construction.
 """
 
@@ -16,11 +16,12 @@ import contextlib
 import torch
 from torch import nn
 
-from . import few_rows, shared_kv_sdpa
+from eagle.kernels import few_rows, shared_kv_sdpa
+from eagle.timing import seconds_in_turns
+
 from .kv_cache import TreeKVCache
 from .logits import logit_transform
 from .masks import additive_mask
-from .timing import seconds_in_turns
 
 
 def eagle3_feature_layers(num_layers: int) -> tuple[int, int, int]:
@@ -94,7 +95,7 @@ class BaseModel:
             f"{type(self.model).__name__} (model_type {self.model.config.model_type!r}) is not supported: its "
             f"forward processes the lm_head's logits in a way this engine does not apply ({found}), so EAGLE "
             "decoding would not follow its distribution. If the processing is an elementwise function of the "
-            "config, add the model type to TRANSFORMS in eagle/model/logits.py."
+            "config, add the model type to TRANSFORMS in eagle/models/logits.py."
         )
 
     def new_cache(self, capacity: int) -> TreeKVCache:

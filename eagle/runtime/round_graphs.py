@@ -22,12 +22,21 @@ import time
 
 import torch
 
+from eagle.decoding.context_draft import ChainDraft
+from eagle.decoding.draft import HeadStep
+from eagle.decoding.round_steps import (
+    DeviceTree,
+    TreeShape,
+    Verdict,
+    attach_chain,
+    commit_step,
+    draft_step,
+    verify_step,
+)
+from eagle.kernels.few_rows import few_row_kernels
+from eagle.timing import repeated_seconds
+
 from .compiled import BucketGraphs, static_rows
-from .context_draft import ChainDraft
-from .draft import HeadStep
-from .few_rows import few_row_kernels
-from .round_steps import DeviceTree, TreeShape, Verdict, attach_chain, commit_step, draft_step, verify_step
-from .timing import repeated_seconds
 
 
 class EagerRound:

@@ -23,11 +23,12 @@ import time
 
 import torch
 
+from eagle.decoding.draft import HeadStep
+from eagle.decoding.round_steps import DeviceTree, TreeShape, Verdict, draft_step, verify_step
+
 from .compiled import bucket_for
 from .cuda_graphs import GraphedDecode, GraphedSteps, LeasedCache, spans_of, static_draft_cache
-from .draft import HeadStep
 from .round_graphs import EagerRound
-from .round_steps import DeviceTree, TreeShape, Verdict, draft_step, verify_step
 
 
 class CudaRound(EagerRound, LeasedCache):

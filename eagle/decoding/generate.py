@@ -13,12 +13,13 @@ from typing import Iterator
 
 import torch
 
-from .base import BaseModel
+from eagle.models.base import BaseModel
+from eagle.models.masks import tree_mask
+from eagle.transfer import to_device
+
 from .context_draft import ContextDrafter
-from .masks import tree_mask
 from .draft import Drafter
 from .round_steps import DeviceTree, TreeShape, attach_chain
-from .transfer import to_device
 from .tree import DraftTree, TreeDraft
 from .verify import TokenPicker, accept
 

@@ -16,8 +16,9 @@ import time
 
 import torch
 
-from . import few_rows
-from .masks import additive_mask
+from eagle.kernels import few_rows
+from eagle.models.masks import additive_mask
+
 from .compiled import BucketGraphs, fresh, pad_rows, static_rows
 
 DRAFT_BUCKETS = (1, 2, 4, 8)

@@ -12,10 +12,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .masks import additive_mask
-from .draft_head import DraftHead
-from .few_rows import few_row_kernels
-from .transfer import to_device
+from eagle.kernels.few_rows import few_row_kernels
+from eagle.models.draft_head import DraftHead
+from eagle.models.masks import additive_mask
+from eagle.transfer import to_device
+
 from .round_steps import TreeShape, grow_tree
 from .tree import DraftTree, TreeDraft, static_tree_levels
 
