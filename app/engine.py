@@ -268,7 +268,9 @@ class Engine:
         chained = replace(model.tree, chain=model.context_chain)
         if model.round_runner(chained, picker) is not None:
             return True
-        if picker.params.greedy and not model.tree.choices and not hasattr(compiled, "lease"):
+        from eagle.runtime import runners
+
+        if picker.params.greedy and not model.tree.choices and not runners.graphed_on_cuda(model.base):
             return False
         return chained.max_nodes <= max(compiled.buckets)
 

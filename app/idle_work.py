@@ -409,7 +409,9 @@ def context_rounds(engine, spec, log) -> Iterator[str | Loading | Wait]:
 def _serves_round_steps(model) -> bool:
     """Whether the forwards in use are CPU graphs, beside which a round's compiled steps run (not eager forwards,
     not CUDA graphs, which run their own rounds)."""
-    return model.base.compiled is not None and not hasattr(model.base.compiled, "lease")
+    from eagle.runtime import runners
+
+    return model.base.compiled is not None and not runners.graphed_on_cuda(model.base)
 
 
 def _put_in_use(engine, rounds):

@@ -146,7 +146,8 @@ def test_a_float32_base_and_its_draft_head_attend_row_by_row_within_rounding_of_
     does the draft head's layer; both stay within float32 rounding of SDPA (the path without the library)."""
     from tiny import draft_config, tiny_base
 
-    from eagle.models.draft_head import DraftConfig, DraftHead, DraftKVCache
+    from eagle.models.draft_head import DraftConfig, DraftHead
+    from eagle.models.kv_cache import TreeKVCache
 
     base = tiny_base("llama", layers=3)
     ids = torch.randint(0, 16, (1, 23), generator=torch.Generator().manual_seed(1))
@@ -172,10 +173,10 @@ def test_a_float32_base_and_its_draft_head_attend_row_by_row_within_rounding_of_
         mask = additive_mask(allowed, torch.float32)
 
         def attend():
-            cache = DraftKVCache(32, cfg.num_key_value_heads, cfg.head_dim, torch.float32, torch.device("cpu"))
+            cache = TreeKVCache(1, 32).allocate(cfg.num_key_value_heads, cfg.head_dim, torch.float32, "cpu")
             shape = (1, cfg.num_key_value_heads, 20, cfg.head_dim)
-            cache.keys[:, :, :20] = torch.randn(*shape, generator=torch.Generator().manual_seed(3))
-            cache.values[:, :, :20] = torch.randn(*shape, generator=torch.Generator().manual_seed(4))
+            cache.layers[0].keys[:, :, :20] = torch.randn(*shape, generator=torch.Generator().manual_seed(3))
+            cache.layers[0].values[:, :, :20] = torch.randn(*shape, generator=torch.Generator().manual_seed(4))
             return attention(x, cos, sin, mask, cache, 20)
 
         calls.clear()

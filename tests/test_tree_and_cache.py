@@ -137,7 +137,7 @@ def test_caches_after_compaction_equal_a_full_recompute(tmp_path, eagle3, prompt
     assert prompt.shape[1] < n < committed
     replay = Drafter(model.ea_layer, model.base.lm_head, prompt_len + 256)
     replay.commit(features[:n], tokens[1 : n + 1])
-    torch.testing.assert_close(drafter.cache.keys[:, :, :n], replay.cache.keys[:, :, :n], atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(drafter.cache.layers[0].keys[:, :, :n], replay.cache.layers[0].keys[:, :, :n], atol=1e-5, rtol=1e-4)
     torch.testing.assert_close(drafter.last, replay.last, atol=1e-5, rtol=1e-4)
 
 
@@ -156,6 +156,32 @@ def test_the_layers_share_one_length_that_a_pass_advances_once():
         assert keys[0, 0, :, 0].tolist() == [0, 1, 2, 3, 4]
     cache.crop(-2)
     assert cache.length == 3 and all(layer.get_seq_length() == 3 for layer in cache.layers)
+
+
+def test_a_write_at_positions_equals_a_write_from_a_start_and_reads_its_span(tmp_path):
+    """One cache for the base and the draft head, written one way: rows from an int start (keys read up to the last
+    row) or at a tensor of positions (keys read over a static span; a zeroed cache's rows past the written ones are
+    zero, not garbage). The base's update writes at the cache's length, or at `write_positions` over `read_span`."""
+    model = make_model(tmp_path)
+    assert type(model.base.new_cache(8)) is type(model.ea_layer.new_cache(8)) is TreeKVCache
+    ks, vs = torch.randn(1, 2, 3, 4), torch.randn(1, 2, 3, 4)
+    start = TreeKVCache(1, 16).allocate(2, 4, torch.float32, "cpu").layers[0]
+    at = TreeKVCache(1, 16, zeroed=True).allocate(2, 4, torch.float32, "cpu").layers[0]
+    k1, v1 = start.write(ks, vs, 5)
+    k2, v2 = at.write(ks, vs, torch.arange(5, 8), 12)
+    assert k1.shape[2] == 8 and k2.shape[2] == 12
+    assert torch.equal(k1[:, :, 5:], k2[:, :, 5:8]) and torch.equal(v1[:, :, 5:], v2[:, :, 5:8])
+    assert not k2[:, :, 8:].any() and not v2[:, :, 8:].any()
+    with pytest.raises(RuntimeError, match="KV cache overflow.*max_length"):
+        start.write(ks, vs, 14)
+
+    cache = TreeKVCache(num_layers=2, capacity=16, zeroed=True)
+    cache.length, cache.write_positions, cache.read_span = 5, torch.arange(9, 12), 12
+    for layer in cache.layers:
+        assert layer.get_mask_sizes(3) == (12, 0)
+        keys, _ = layer.update(ks, vs)
+        assert keys.shape[2] == 12 and torch.equal(keys[:, :, 9:12], ks)
+    assert cache.length == 5  # the runner keeps the length of position-written passes
 
 
 @pytest.fixture(params=["per layer", "one call"])

@@ -44,13 +44,12 @@ class Drafter:
     """The draft side of one generation; a context manager: leaving it gives back a leased cache."""
 
     def __init__(self, head: DraftHead, base_lm_head: nn.Module, capacity: int, compiled=None):
-        """compiled: a `CompiledDraft` or `GraphedDraft` of this head (its steps then run as graphs where a bucket
-        fits; CUDA graphs on their own cache, leased here, or eagerly if it is taken)."""
+        """compiled: a runner of this head's steps (runners.draft_graphs), which takes the steps it `takes` and may
+        lease its own cache for the generation (CUDA graphs); the others run eagerly."""
         self.head = head
         self.step = HeadStep(head, base_lm_head)
-        leases = hasattr(compiled, "lease")  # CUDA graphs run on a cache of their own, one generation at a time
-        self.leased = compiled.lease(capacity) if leases else None
-        self.compiled = None if leases and self.leased is None else compiled
+        self.compiled = compiled
+        self.leased = compiled.lease(capacity) if compiled is not None else None
         slack = max(compiled.buckets) if compiled is not None else 0  # a padded step writes a whole bucket
         self.cache = self.leased if self.leased is not None else head.new_cache(capacity + slack)
         self.dtype = head.fc.weight.dtype
@@ -68,9 +67,8 @@ class Drafter:
             self.leased = None
 
     def _compiled_fits(self, rows: int, write_at: int) -> bool:
-        """Whether a compiled graph takes this step: a bucket holds the rows, and the cache already holds two or
-        more rows (dynamo specialises an int of 0 or 1, which would compile a graph of its own)."""
-        return self.compiled is not None and write_at > 1 and self.compiled.bucket(rows) is not None
+        """Whether the runner takes a step of `rows` rows written at `write_at` in this generation's cache."""
+        return self.compiled is not None and self.compiled.takes(self.cache, rows, write_at)
 
     def _run(self, hidden, ids, positions, mask, write_at: int):
         """`HeadStep` on m rows: compiled where a bucket holds them. hidden [1, m, H] -> ([m, H], [m, Vd])."""

@@ -113,7 +113,7 @@ class Verdict(NamedTuple):
 def draft_step(step, cache, start, features, ids, n, root, shape: TreeShape, span: int | None = None) -> DeviceTree:
     """Commit n rows at draft position `start`, then draft a tree under `root`.
 
-    step: draft.HeadStep; cache: the head's DraftKVCache with `start` committed rows; features [C, F or H] and ids
+    step: draft.HeadStep; cache: the head's TreeKVCache with `start` committed rows; features [C, F or H] and ids
     [C] the commit (rows >= n are padding, ignored); n, root [] long. Padding rows are written after the real ones
     and no real row attends to them; tree entries go after all C rows and are overwritten by the next commit, so the
     caller sets `cache.length = start + n` afterwards. span: None (start an int, the keys end at the last row
@@ -208,7 +208,7 @@ def verify_step(base, cache, committed, tree: DeviceTree, shape: TreeShape, span
     base: base.BaseModel (its `decode`, the forward itself); cache: its TreeKVCache at length `committed`, which the
     pass writes the N nodes' rows after; the caller then keeps the path's (`packet`). Nodes from `shape.nodes` on are
     context nodes (`attach_chain`). span: None (committed an int) or the keys' static width (committed a [] long
-    tensor; a static cache writing at positions committed.. and reading `span` positions, kv_cache.StaticLayer)."""
+    tensor; the cache's `write_positions` set to committed.. and its `read_span` to `span`: kv_cache.py)."""
     ids, depth, ancestors = tree.tokens, tree.depth, tree.ancestors
     mask = tree_mask(committed, ancestors, base.dtype, ids.device, span)  # [1, 1, N, committed + N or span]
     inputs = ids.clamp(min=0)[None]  # [1, N] padding nodes read token 0

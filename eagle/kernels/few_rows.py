@@ -160,6 +160,11 @@ def install(model: nn.Module, plan: dict[int, str] | None = None) -> int:
     "panel" for every row count where layers have GGUF blocks); returns how many layers. Parameters, state dict
     keys and behaviour outside `few_row_kernels()` stay the same.
 
+    Each layer becomes a FewRowLinear in place (its class switched, the object kept), not a new module put in its
+    parent: transformers' modules, `BaseModel.lm_head` and the draft step's `base_lm_head` hold the layer itself, and
+    plans change while a reply runs (the app compiles beside it), so a replacement would leave those references on a
+    module that still holds its weight copies.
+
     Where the model's config names a GGUF (quant_gguf.CONFIG_KEY) and the panel kernel runs here, the layers the
     file keeps as Q4_1 or Q8_0 get those blocks (`gguf`); raises quant_gguf.GgufMismatch if they are not exactly
     the layers' weights."""

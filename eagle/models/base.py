@@ -104,10 +104,10 @@ class BaseModel:
 
     @contextlib.contextmanager
     def leased_cache(self, capacity: int):
-        """A cache for one generation: the CUDA graphs' own where they are in use and it is free (cuda_graphs.py),
-        else a new one (then the passes run eagerly)."""
+        """A cache for one generation: the runner's own where it has one and it is free (CUDA graphs), else a new
+        one (which CUDA graphs do not take: the passes then run eagerly)."""
         runner = self.compiled
-        cache = runner.lease(capacity) if hasattr(runner, "lease") else None
+        cache = runner.lease(capacity) if runner is not None else None
         try:
             yield self.new_cache(capacity) if cache is None else cache
         finally:
@@ -137,9 +137,8 @@ class BaseModel:
         input_ids, position_ids = input_ids.to(self.input_device), position_ids.to(self.input_device)
         q = input_ids.shape[1]
         with few_rows.few_row_kernels():
-            # a cache of 0 or 1 rows would be a graph of its own (dynamo specialises those ints): eager
-            compiled = self.compiled is not None and self.compiled.serves(cache)
-            if not compiled or last_logits_only or cache.length < 2 or self.compiled.bucket(q) is None:
+            runner = self.compiled
+            if runner is None or last_logits_only or not runner.takes(cache, q, cache.length):
                 return self.decode(input_ids, position_ids, mask, cache, features, last_logits_only)
             if mask is None:
                 causal = torch.ones(q, cache.length + q, dtype=torch.bool, device=self.input_device)

@@ -28,6 +28,8 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply
 
 from eagle.kernels import quant_panels, row_attention
 
+from .kv_cache import TreeKVCache
+
 VARIANT_DEFAULTS = {
     "norm_before_fc": False, "fc_norm": False, "norm_before_residual": False, "hidden_input_norm": False,
     "feed_back_normed": False, "norm_before_lm_head": True, "qk_norm": False, "o_bias": False,
@@ -149,20 +151,6 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
-class DraftKVCache:
-    """The draft's cache. Positions [0, length) are committed tokens; tree nodes are written after them and
-    forgotten when the round ends (the next round overwrites them)."""
-
-    def __init__(self, capacity: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device):
-        self.keys = torch.empty(1, kv_heads, capacity, head_dim, dtype=dtype, device=device)
-        self.values = torch.empty_like(self.keys)
-        self.length = 0
-
-    @property
-    def capacity(self) -> int:
-        return self.keys.shape[2]
-
-
 class DraftAttention(nn.Module):
     def __init__(self, cfg: DraftConfig):
         super().__init__()
@@ -176,9 +164,9 @@ class DraftAttention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, mask, cache: DraftKVCache, write_at: int | torch.Tensor) -> torch.Tensor:
+    def forward(self, x, cos, sin, mask, cache: TreeKVCache, write_at: int | torch.Tensor) -> torch.Tensor:
         # x: [1, q, in]; mask: additive float [1, 1, q, write_at + q], or [1, 1, q, span] where write_at is the
-        # positions [q] to write (a captured step, cuda_graphs.py: attention over the cache's first `span` positions)
+        # positions [q] to write (a static step: attention over the cache's first `span` positions)
         b, q, _ = x.shape
         qs = self.q_proj(x).view(b, q, self.heads, self.head_dim)
         ks = self.k_proj(x).view(b, q, self.kv_heads, self.head_dim)
@@ -187,16 +175,8 @@ class DraftAttention(nn.Module):
         qs, ks = qs.transpose(1, 2), ks.transpose(1, 2)
         vs = self.v_proj(x).view(b, q, self.kv_heads, self.head_dim).transpose(1, 2)
         qs, ks = apply_rotary_pos_emb(qs, ks, cos, sin)
-        if isinstance(write_at, torch.Tensor):
-            cache.keys.index_copy_(2, write_at, ks)
-            cache.values.index_copy_(2, write_at, vs)
-            span = mask.shape[-1]
-            k_all, v_all = cache.keys[:, :, :span], cache.values[:, :, :span]
-        else:
-            end = write_at + q
-            cache.keys[:, :, write_at:end] = ks
-            cache.values[:, :, write_at:end] = vs
-            k_all, v_all = cache.keys[:, :, :end], cache.values[:, :, :end]
+        span = None if mask is None else mask.shape[-1]  # the keys read where write_at holds positions
+        k_all, v_all = cache.layers[0].write(ks, vs, write_at, span)  # [1, KV, keys, D] each
         if mask is not None and row_attention.applies(qs, k_all, v_all, mask):
             # the kernel library's attention (row_attention.py): a few rows over a long cache in a fraction of the
             # time of ATen's flash attention, which is blocked for many rows (None is causal to the operator, not
@@ -304,9 +284,12 @@ class DraftHead(nn.Module):
     def layer(self) -> DraftLayer:
         return self.midlayer if self.eagle3 else self.layers[0]
 
-    def new_cache(self, capacity: int) -> DraftKVCache:
+    def new_cache(self, capacity: int, zeroed: bool = False) -> TreeKVCache:
+        """The head's KV cache (one layer), allocated: positions [0, length) are committed tokens; tree nodes are
+        written after them and forgotten when the round ends (the next round overwrites them)."""
         p = self.fc.weight
-        return DraftKVCache(capacity, self.config.num_key_value_heads, self.config.head_dim, p.dtype, p.device)
+        cache = TreeKVCache(1, capacity, zeroed=zeroed)
+        return cache.allocate(self.config.num_key_value_heads, self.config.head_dim, p.dtype, p.device)
 
     def share_embedding(self, embedding: nn.Embedding) -> None:
         self._shared_embedding = (embedding,)  # a tuple, so nn.Module does not register (and move) it
@@ -322,7 +305,7 @@ class DraftHead(nn.Module):
         input_ids: torch.Tensor,  # [1, q] the tokens one step ahead of the features
         position_ids: torch.Tensor,  # [1, q]
         mask: torch.Tensor,  # additive float [1, 1, q, write_at + q] (or a span: DraftAttention)
-        cache: DraftKVCache,
+        cache: TreeKVCache,
         write_at: int | torch.Tensor,
     ) -> torch.Tensor:  # [1, q, H] predicted next features (EAGLE-3: pre-norm unless feed_back_normed)
         emb = self.embed(input_ids)

@@ -1,17 +1,20 @@
-"""A preallocated, compactable KV cache that plugs into transformers' `Cache` API.
+"""One preallocated, compactable KV cache for the base and the draft head, written at explicit positions.
 
-Each layer owns fixed buffers `keys`/`values` of shape [1, kv_heads, capacity, head_dim]; only the first `length`
-positions are valid, one length for all layers (the cache's): a pass writes every layer's rows at the same positions,
-and the last layer's `update` advances it (so a compiled pass takes and returns one int, not one a layer). `update`
-writes new states in place and returns views of the valid prefix, so a forward pass never concatenates
-(DynamicCache copies the whole cache on every step). After tree verification, `compact` moves the accepted tree rows
-into the contiguous prefix and rejected rows are simply overwritten by the next pass.
+Each layer owns fixed buffers `keys`/`values` of shape [1, kv_heads, capacity, head_dim] and writes a pass's rows
+with one method, `write(keys, values, at, read)`: `at` an int (rows at at.., keys read up to the last row written)
+or a [q] long tensor of positions (rows scattered there, keys read over the buffers' first `read` positions: a
+static span, as captured and compiled graphs need). Only the first `length` positions are valid, one length for all
+layers (the cache's).
 
-For CUDA graphs (cuda_graphs.py) a cache must keep its addresses and every captured pass its shapes: a
-`TreeKVCache(..., static=True)` is owned by the graphs' runner, and while `write_positions` is set (a device tensor
-[q], the runner's static buffer) each layer writes its rows there and returns the buffers' first `read_span`
-positions, the mask spanning as many (`masks.widened`); the runner keeps the length. Otherwise it behaves as any
-TreeKVCache (eager passes).
+The base runs through transformers' decoder, which calls each layer's `update` (the `Cache` API): rows go to the
+cache's length, and the last layer's update advances it (so a compiled pass takes and returns one int, not one a
+layer), or, while `write_positions` is set (a device tensor [q], a CUDA-graph runner's static buffer), to those
+positions over `read_span` keys, the mask spanning as many (`masks.widened`), the runner keeping the length. The
+draft head (draft_head.py) calls `write` itself with the positions it drafts at, and its caller keeps the length.
+`update` returns views of the valid prefix, so a forward pass never concatenates (DynamicCache copies the whole
+cache on every step). After tree verification, `compact` moves the accepted tree rows into the contiguous prefix
+and rejected rows are simply overwritten by the next pass. A cache made with `zeroed=True` starts with zero buffers:
+a captured pass reads whole spans, and garbage (NaN) under a mask would still reach its output (0 * NaN).
 """
 
 from __future__ import annotations
@@ -24,8 +27,8 @@ from eagle.transfer import to_device
 
 
 class PreallocatedLayer(CacheLayerMixin):
-    """One attention layer's cache; buffers are allocated on first use, on the device of the layer. Its length is
-    `cache`'s; `last`: the layer whose update advances it."""
+    """One attention layer's cache; buffers are allocated on first use (on the device of the layer) or by
+    `allocate`. Its length is `cache`'s; `last`: the layer whose update advances it."""
 
     is_croppable = True
     is_sliding = False
@@ -36,30 +39,51 @@ class PreallocatedLayer(CacheLayerMixin):
         self.cache = cache
         self.last = last
 
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        batch, heads, _, head_dim = key_states.shape
-        self.keys = key_states.new_empty(batch, heads, self.capacity, head_dim)
-        self.values = value_states.new_empty(batch, heads, self.capacity, value_states.shape[-1])
-        self.dtype, self.device = key_states.dtype, key_states.device
+    def allocate(self, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.keys = torch.empty(1, kv_heads, self.capacity, head_dim, dtype=dtype, device=device)
+        self.values = torch.empty_like(self.keys)
+        if self.cache.zeroed:
+            self.keys.zero_()
+            self.values.zero_()
+        self.dtype, self.device = dtype, device
         self.is_initialized = True
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.allocate(key_states.shape[1], key_states.shape[-1], key_states.dtype, key_states.device)
+
+    def write(self, key_states, value_states, at: int | torch.Tensor, read: int | None = None):
+        """Rows key_states, value_states [1, kv_heads, q, head_dim] written at positions `at`: an int (at.., keys
+        read up to the last row written) or a [q] long tensor on the buffers' device (keys read over the first
+        `read` positions). Returns the keys and values to attend over, views of the buffers."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        n, start = key_states.shape[-2], self.cache.length
-        end = start + n
+        if isinstance(at, torch.Tensor):
+            self.keys.index_copy_(2, at, key_states)
+            self.values.index_copy_(2, at, value_states)
+            return self.keys[:, :, :read], self.values[:, :, :read]
+        end = at + key_states.shape[-2]
         if end > self.capacity:
             raise RuntimeError(
                 f"KV cache overflow: {end} positions needed, {self.capacity} allocated. "
                 "Raise max_length in eagenerate (the cache is sized max_length + tree size)."
             )
-        self.keys[:, :, start:end] = key_states
-        self.values[:, :, start:end] = value_states
-        if self.last:
-            self.cache.length = end
+        self.keys[:, :, at:end] = key_states
+        self.values[:, :, at:end] = value_states
         return self.keys[:, :, :end], self.values[:, :, :end]
 
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """transformers' call: rows at the cache's `write_positions` if set, else appended at its length."""
+        at = self.cache.write_positions  # [q] on the layer's device, or None
+        if at is not None:
+            return self.write(key_states, value_states, at, self.cache.read_span)
+        out = self.write(key_states, value_states, self.cache.length)
+        if self.last:
+            self.cache.length += key_states.shape[-2]
+        return out
+
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        if self.cache.write_positions is not None:
+            return self.cache.read_span, 0
         return self.cache.length + query_length, 0
 
     def get_seq_length(self) -> int:
@@ -91,44 +115,24 @@ class PreallocatedLayer(CacheLayerMixin):
         self.cache.length = start + n
 
 
-class StaticLayer(PreallocatedLayer):
-    """A layer of a static cache: in a captured pass (the cache's `write_positions` set) rows go to those positions
-    and attention sees the buffers' first `read_span` positions; the length, a host int, is the runner's to keep.
-    Eager otherwise."""
-
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        super().lazy_initialization(key_states, value_states)
-        self.keys.zero_()  # a captured pass reads the whole buffers: garbage (NaN) under the mask would still
-        self.values.zero_()  # reach its output (0 * NaN)
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        at = self.cache.write_positions  # [q] on the layer's device
-        if at is None:
-            return super().update(key_states, value_states, *args, **kwargs)
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        self.keys.index_copy_(2, at, key_states)
-        self.values.index_copy_(2, at, value_states)
-        span = self.cache.read_span
-        return self.keys[:, :, :span], self.values[:, :, :span]
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        if self.cache.write_positions is not None:
-            return self.cache.read_span, 0
-        return super().get_mask_sizes(query_length)
-
-
 class TreeKVCache(Cache):
     """A `Cache` of `PreallocatedLayer`s with one shared length; see the module docstring."""
 
-    def __init__(self, num_layers: int, capacity: int, static: bool = False):
-        """static: layers that captured passes write by position (`StaticLayer`), for CUDA graphs."""
+    def __init__(self, num_layers: int, capacity: int, zeroed: bool = False):
+        """zeroed: buffers start at zero (a CUDA-graph runner's cache, read by whole spans)."""
         self.length = 0  # valid positions in every layer
-        kind = StaticLayer if static else PreallocatedLayer
-        super().__init__(layers=[kind(capacity, self, last=i == num_layers - 1) for i in range(num_layers)])
+        self.zeroed = zeroed
+        layers = [PreallocatedLayer(capacity, self, last=i == num_layers - 1) for i in range(num_layers)]
+        super().__init__(layers=layers)
         self.capacity = capacity
-        self.write_positions: torch.Tensor | None = None  # [q] set by the graphs' runner around a captured pass
+        self.write_positions: torch.Tensor | None = None  # [q] set by a CUDA-graph runner around a captured pass
         self.read_span: int | None = None  # the positions that pass attends over (a span: cuda_graphs.SPANS)
+
+    def allocate(self, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> "TreeKVCache":
+        """Every layer's buffers now (a cache whose writes are the caller's own: the draft head's)."""
+        for layer in self.layers:
+            layer.allocate(kv_heads, head_dim, dtype, device)
+        return self
 
     def crop_to(self, length: int) -> None:
         self.length = length

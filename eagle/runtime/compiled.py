@@ -292,8 +292,18 @@ class CompiledDecode:
     def bucket(self, rows: int) -> int | None:
         return self.graphs.bucket(rows)
 
-    def serves(self, cache) -> bool:
-        return True  # any cache: the context length is symbolic in the graphs
+    def takes(self, cache, rows: int, at: int) -> bool:
+        """Whether `run` takes a pass of `rows` rows written at `at` in `cache` (any cache: the context length is
+        symbolic in the graphs): a bucket holds the rows, and the cache holds two or more (dynamo specialises an int
+        of 0 or 1, which would compile a graph of its own)."""
+        return at > 1 and self.bucket(rows) is not None
+
+    def lease(self, capacity: int) -> None:
+        """No cache of its own (`BaseModel.leased_cache` makes one)."""
+        return None
+
+    def release(self, cache) -> None:
+        pass
 
     def run(self, input_ids, position_ids, mask, cache, features: bool):
         """Like `BaseModel.decode` on q <= max bucket rows, with the cache left at length L + q."""

@@ -42,6 +42,17 @@ class CompiledDraft:
     def bucket(self, rows: int) -> int | None:
         return self.graphs.bucket(rows)
 
+    def takes(self, cache, rows: int, at: int) -> bool:
+        """As `CompiledDecode.takes`: a bucket holds the rows and they are written at 2 or later."""
+        return at > 1 and self.bucket(rows) is not None
+
+    def lease(self, capacity: int) -> None:
+        """No cache of its own (the `Drafter` makes one)."""
+        return None
+
+    def release(self, cache) -> None:
+        pass
+
     def run(
         self,
         hidden: torch.Tensor,  # [1, q, H] the head's width (EAGLE-3 features fused already)

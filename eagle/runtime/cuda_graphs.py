@@ -3,8 +3,8 @@
 At batch size 1 a GPU forward is mostly kernel launches (a few hundred per base pass, each some microseconds of
 host time against microseconds of device work), so the graphs here capture each pass once per bucket of rows and
 replay it: one launch a pass. A graph holds the addresses it was captured with, so everything it reads and writes
-is static: the runner owns the KV cache (a static `TreeKVCache` for the base, a `DraftKVCache` for the head) and
-one buffer per input; a call copies its inputs into the buffers, replays, and returns copies of the outputs (the
+is static: the runner owns the KV cache (a zeroed `TreeKVCache`, the base's or the head's) and one buffer per
+input; a call copies its inputs into the buffers, replays, and returns copies of the outputs (the
 next replay overwrites them). Shapes are static too: the rows are the bucket's (a smaller tree is padded as on the
 CPU path, compiled.py: pads see the prefix and themselves and are dropped), the keys a *span* of the cache's first
 positions, the smallest of `SPANS` that holds the prefix and the rows (positions past the length are masked out),
@@ -127,15 +127,6 @@ class LeasedCache:
         raise NotImplementedError
 
 
-def static_draft_cache(head, capacity: int):
-    """The head's cache for captured steps, zeroed: they read it by spans, and garbage (NaN) under a mask would still
-    reach their outputs (0 * NaN)."""
-    cache = head.new_cache(capacity)
-    cache.keys.zero_()
-    cache.values.zero_()
-    return cache
-
-
 class GraphedDecode(LeasedCache):
     """`BaseModel.decode` as CUDA graphs per bucket over a static cache it owns; `run` as `CompiledDecode.run`."""
 
@@ -150,7 +141,7 @@ class GraphedDecode(LeasedCache):
             raise ValueError("CUDA graphs need the whole base on one device (device_map placed it on several)")
         self.base = base
         self.buckets = tuple(sorted(buckets))
-        self.cache = TreeKVCache(base.num_layers, capacity + max(self.buckets), static=True)  # + a padded pass
+        self.cache = TreeKVCache(base.num_layers, capacity + max(self.buckets), zeroed=True)  # + a padded pass
         self.spans = spans_of(self.cache.capacity)
         self.capacity, self._taken = capacity, threading.Lock()
         self.steps = GraphedSteps(device, device.type == "cuda" if capture is None else capture)
@@ -172,6 +163,11 @@ class GraphedDecode(LeasedCache):
 
     def serves(self, cache) -> bool:
         return cache is self.cache
+
+    def takes(self, cache, rows: int, at: int) -> bool:
+        """Whether `run` takes a pass of `rows` rows written at `at` in `cache`: the runner's own, a bucket holding
+        the rows, and 2 or more cached (a prompt's passes run eagerly)."""
+        return cache is self.cache and at > 1 and self.bucket(rows) is not None
 
     def run(self, input_ids, position_ids, mask, cache, features: bool):
         """Like `BaseModel.decode` on q <= max bucket rows, with the cache left at length L + q."""
@@ -221,7 +217,7 @@ class GraphedDraft(LeasedCache):
         device = step.head.fc.weight.device
         self.step = step
         self.buckets = tuple(sorted(buckets))
-        self.cache = static_draft_cache(step.head, capacity + max(self.buckets))
+        self.cache = step.head.new_cache(capacity + max(self.buckets), zeroed=True)
         self.spans = spans_of(self.cache.capacity)
         self.capacity, self._taken = capacity, threading.Lock()
         self.steps = GraphedSteps(device, device.type == "cuda" if capture is None else capture)
@@ -234,6 +230,10 @@ class GraphedDraft(LeasedCache):
 
     def bucket(self, rows: int) -> int | None:
         return bucket_for(rows, self.buckets)
+
+    def takes(self, cache, rows: int, at: int) -> bool:
+        """As `GraphedDecode.takes`: the runner's own cache, a bucket holding the rows, written at 2 or later."""
+        return cache is self.cache and at > 1 and self.bucket(rows) is not None
 
     def run(self, hidden, input_ids, position_ids, mask, cache, write_at: int):
         """hidden [1, q, H], ids and positions [1, q], mask [1, 1, q, write_at + q] -> out [q, H], log-probs

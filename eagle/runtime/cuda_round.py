@@ -27,7 +27,7 @@ from eagle.decoding.draft import HeadStep
 from eagle.decoding.round_steps import DeviceTree, TreeShape, Verdict, draft_step, verify_step
 
 from .compiled import bucket_for
-from .cuda_graphs import GraphedDecode, GraphedSteps, LeasedCache, spans_of, static_draft_cache
+from .cuda_graphs import GraphedDecode, GraphedSteps, LeasedCache, spans_of
 from .round_graphs import EagerRound
 
 
@@ -45,7 +45,7 @@ class CudaRound(EagerRound, LeasedCache):
                              "those in use first (runners.decode_graphs, or compiling.compile_rounds)")  # fmt: skip
         head = step.head
         device = head.fc.weight.device
-        self.cache = static_draft_cache(head, self.decode.capacity + shape.commit_rows + shape.draft_entries + 1)
+        self.cache = head.new_cache(self.decode.capacity + shape.commit_rows + shape.draft_entries + 1, zeroed=True)
         self.capacity, self._taken = self.cache.capacity, threading.Lock()
         self.draft_spans = spans_of(self.cache.capacity)
         self.steps = GraphedSteps(device, device.type == "cuda" if capture is None else capture)
@@ -91,7 +91,7 @@ class CudaRound(EagerRound, LeasedCache):
         verify = functools.partial(self._verify, span=span)
         inputs = (_position(committed, tree.tokens.device), *tree)
         out = self.steps.run(("verify", span), verify, inputs, self.inductor)
-        cache.crop_to(committed + N)  # the runner keeps the static cache's length (kv_cache.StaticLayer)
+        cache.crop_to(committed + N)  # the runner keeps the static cache's length (kv_cache: rows written at positions)
         return Verdict(*out)
 
     def _verify(self, committed, tokens, parents, depth, ancestors, span: int) -> Verdict:

@@ -2,6 +2,15 @@
 compiled_draft.py, round_graphs.py), CUDA graphs on CUDA (cuda_graphs.py, cuda_round.py). Each builder returns a
 runner that its caller puts in use (`BaseModel.compiled`, `EaModel.compiled_draft`, `EaModel.compiled_rounds`); the
 algorithm (generate.py, draft.py, round_steps.py) never imports this module.
+
+A runner of passes or of the head's steps, whatever its backend, answers the same five calls:
+- `takes(cache, rows, at)`: whether it runs a pass of `rows` rows written at position `at` of `cache` (else the
+  caller runs it eagerly);
+- `run(...)`: that pass, as the eager function would (`BaseModel.decode`, `draft.HeadStep`);
+- `lease(capacity)` / `release(cache)`: a cache of its own for one generation, or None (then the caller makes one,
+  with `max(buckets)` rows of room past `capacity`: a padded pass writes a whole bucket);
+- `buckets`: the row counts it holds graphs for.
+A round's runner (round_graphs.EagerRound and its subclasses) answers `draft`, `verify` and `keep`.
 """
 
 from __future__ import annotations
