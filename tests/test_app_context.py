@@ -240,7 +240,7 @@ def test_eager_forwards_get_context_drafts_whenever_the_setting_is_on(recorded):
     assert not asks_for_context(engine, asked)  # the engine's own runs (warm-up, vanilla timing) never ask
 
 
-CPU_GRAPHS = SimpleNamespace(buckets=(1, 8, 16, 32))  # compiled forwards' graphs: the tiny tree with a chain fits
+CPU_GRAPHS = SimpleNamespace(kind="inductor", buckets=(1, 8, 16, 32))  # compiled forwards' graphs: the tiny tree with a chain fits
 
 
 def test_compiled_forwards_get_context_drafts_only_once_their_round_is_compiled(recorded, monkeypatch):
@@ -258,11 +258,11 @@ def test_where_the_general_loop_runs_either_way_they_are_asked_for_if_the_chain_
     engine, asked = recorded
     model = engine.model
     assert model.tree.total_token + model.context_chain > 16  # the tiny tree with a chain: past 16 rows
-    monkeypatch.setattr(model.base, "compiled", SimpleNamespace(buckets=(1, 8, 16)))
+    monkeypatch.setattr(model.base, "compiled", SimpleNamespace(kind="inductor", buckets=(1, 8, 16)))
     assert not asks_for_context(engine, asked, context_drafts=True, temperature=0.7)  # would verify eagerly
     monkeypatch.setattr(model.base, "compiled", CPU_GRAPHS)
     assert asks_for_context(engine, asked, context_drafts=True, temperature=0.7)  # sampling: the loop either way
-    monkeypatch.setattr(model.base, "compiled", SimpleNamespace(lease=None, buckets=(1, 16, 64)))  # CUDA graphs
+    monkeypatch.setattr(model.base, "compiled", SimpleNamespace(kind="CUDA graphs", buckets=(1, 16, 64)))
     assert asks_for_context(engine, asked, context_drafts=True)
 
 

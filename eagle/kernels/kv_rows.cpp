@@ -1,6 +1,6 @@
 // eagle::compact_rows(buffers, keep, start): in each KV buffer [1, H, capacity, D] (contiguous), rows keep[i] moved
-// to rows start + i, for every head; built with panel_linear.cpp into one library (eagle/model/panel_kernel.py), used
-// by eagle/model/kv_cache.py (TreeKVCache.compact): one call for every layer instead of two copies a layer.
+// to rows start + i, for every head; built with panel_linear.cpp into one library (eagle/kernels/panel_kernel.py), used
+// by eagle/models/kv_cache.py (TreeKVCache.compact): one call for every layer instead of two copies a layer.
 //
 // Safe in place: keep is ascending with keep[i] >= start + i, so a row written (start + i) is never a source still
 // to be read (keep[j] > keep[i] >= start + i for j > i).

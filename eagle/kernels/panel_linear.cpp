@@ -1,6 +1,6 @@
 // eagle::panel_linear(x, panels, bias, out_features): out[..., N] = x[..., K] . W[N, K]^T (+ bias) in float32,
 // for the few rows of a decode step or a tree verification; built at first use with -march=native
-// (eagle/model/panel_kernel.py).
+// (eagle/kernels/panel_kernel.py).
 //
 // A decode-sized product is a stream of the weight: each weight element is read once and used M times (M = 1 to
 // 16 rows). The weight is stored as column panels, panels[P, K, NB] with P = ceil(N / NB) and zero columns past
@@ -81,7 +81,7 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, const std
                   panels.size(0) * NB >= out_features && (panels.size(0) - 1) * NB < out_features,
               "eagle::panel_linear: panels must be [ceil(N / ", NB, "), K, ", NB, "] for this build, got ",
               panels.sizes(), " for x ", x.sizes(), " and N = ", out_features,
-              "; pack the weight with eagle.model.panel_kernel.pack");
+              "; pack the weight with eagle.kernels.panel_kernel.pack");
   const at::Tensor xc = x.contiguous();
   const at::Tensor wc = panels.contiguous();
   at::Tensor bc;

@@ -1,7 +1,7 @@
 // eagle::quant_panel_linear(x, panels, bias, out_features, qtype, input_bits): out[..., N] = x[..., K] . W[N, K]^T
 // (+ bias) in float32, for the 1 to 16 rows of a decode step or a tree verification, with W kept in its GGUF blocks
 // (Q4_1 or Q8_0, 32 weights a block) and multiplied as integers; built with panel_linear.cpp into one library
-// (eagle/model/panel_kernel.py), packed by eagle/model/quant_panels.py.
+// (eagle/kernels/panel_kernel.py), packed by eagle/kernels/quant_panels.py.
 //
 // Arithmetic, per row m and GGUF block b (32 consecutive k) of column j, with L = 32767 (input_bits 16, Q4_1 only) or
 // 127 (input_bits 8: llama.cpp's Q4_1 x Q8_1 and Q8_0 x Q8_0 products):
@@ -201,7 +201,7 @@ constexpr int64_t block_bytes(int64_t qtype) { return qtype == Q4_1 ? 20 * NB : 
 // WIDE_MR; tiles of more rows take one panel), and how far ahead (bytes) a tile prefetches its panels' blocks into L1
 // at each block (the hardware prefetcher alone left one row streaming below the machine's bandwidth; a prefetch past
 // the end never faults). Speed only: a column's sums are the same operations in the same order whatever the tiling.
-// Set once per process from a measurement on the machine (eagle/model/tuner.py, panel_tiling); these defaults until
+// Set once per process from a measurement on the machine (eagle/tuning/tuner.py, panel_tiling); these defaults until
 // then.
 std::atomic<int64_t> g_wide_rows{WIDE_MR}, g_prefetch{16384};
 
@@ -389,7 +389,7 @@ at::Tensor quant_panel_linear(const at::Tensor& x, const at::Tensor& panels, con
                   (panels.size(0) - 1) * NB < N,
               "eagle::quant_panel_linear: panels must be [ceil(N / ", NB, "), K / 32 * ", block_bytes(qtype),
               "] for this build and qtype, got ", panels.sizes(), " for x ", x.sizes(), " and N = ", N,
-              "; pack the blocks with eagle.model.quant_panels.pack");
+              "; pack the blocks with eagle.kernels.quant_panels.pack");
   const at::Tensor xc = x.contiguous();
   const at::Tensor wc = panels.contiguous();
   at::Tensor bc;

@@ -1,6 +1,6 @@
 // eagle::row_attention(q, k, v, mask, scale): softmax(q k^T * scale + mask) v for the few rows of a decode step, a
 // tree verification or a prefill, each row computed on its own; built with panel_linear.cpp into one library
-// (eagle/model/panel_kernel.py), used by eagle/model/row_attention.py.
+// (eagle/kernels/panel_kernel.py), used by eagle/kernels/row_attention.py.
 //
 // Invariant (batch invariance): a row's output depends only on its query and on the sequence of keys it may see
 // (mask value above BLOCKED), taken in cache order with the blocked ones left out. A tree node whose ancestors are

@@ -3,13 +3,13 @@ compiled_draft.py, round_graphs.py), CUDA graphs on CUDA (cuda_graphs.py, cuda_r
 runner that its caller puts in use (`BaseModel.compiled`, `EaModel.compiled_draft`, `EaModel.compiled_rounds`); the
 algorithm (generate.py, draft.py, round_steps.py) never imports this module.
 
-A runner of passes or of the head's steps, whatever its backend, answers the same five calls:
+A runner of passes or of the head's steps, whatever its backend, answers the same calls:
 - `takes(cache, rows, at)`: whether it runs a pass of `rows` rows written at position `at` of `cache` (else the
   caller runs it eagerly);
 - `run(...)`: that pass, as the eager function would (`BaseModel.decode`, `draft.HeadStep`);
 - `lease(capacity)` / `release(cache)`: a cache of its own for one generation, or None (then the caller makes one,
   with `max(buckets)` rows of room past `capacity`: a padded pass writes a whole bucket);
-- `buckets`: the row counts it holds graphs for.
+- `buckets`: the row counts it holds graphs for; `kind`: its backend, by name ("inductor", "CUDA graphs").
 A round's runner (round_graphs.EagerRound and its subclasses) answers `draft`, `verify` and `keep`.
 """
 
@@ -74,7 +74,7 @@ def draft_graphs(step, buckets=None):
 
 def graphed_on_cuda(base) -> bool:
     """Whether the base's forwards in use are CUDA graphs (the round's graphs are then cuda_round.py's)."""
-    return isinstance(base.compiled, cuda_graphs.GraphedDecode)
+    return getattr(base.compiled, "kind", None) == cuda_graphs.GraphedDecode.kind
 
 
 def round_graphs(base, step, shape: TreeShape) -> CompiledRound | CudaRound:
