@@ -160,7 +160,7 @@ class CudaRound(EagerRound, LeasedCache):
             finally:
                 self.decode.release(cache)
         if log:
-            log(f"captured the round's draft, verify and keep steps as CUDA graphs in "
+            log("captured the round's draft, verify and keep steps as CUDA graphs in "
                 + " + ".join(f"{s:.1f}" for s in seconds.values()) + f" s ({len(self.draft_spans)} and "
                 f"{len(self.decode.spans)} spans; a tree of {shape.nodes} nodes, {shape.levels} draft levels of "
                 f"width {shape.top_k})")  # fmt: skip
