@@ -276,10 +276,31 @@ def fresh(t: torch.Tensor) -> torch.Tensor:
     return t.new_empty(t.shape).copy_(t)
 
 
-class CompiledDecode:
-    """`BaseModel.decode` compiled for each bucket; `run` pads, calls the graph and drops the pads."""
+class BucketRunner:
+    """The CPU graphs' side of runners.py's interface, shared by the base's and the head's: graphs per bucket of
+    rows (`self.graphs`) that take any cache (the context length is symbolic in them), none of their own."""
 
     kind = "inductor"
+    graphs: BucketGraphs
+
+    def bucket(self, rows: int) -> int | None:
+        return self.graphs.bucket(rows)
+
+    def takes(self, cache, rows: int, at: int) -> bool:
+        """Whether `run` takes `rows` rows written at `at` in `cache`: a bucket holds the rows, and they are written
+        at 2 or later (dynamo specialises an int of 0 or 1, which would compile a graph of its own)."""
+        return at > 1 and self.bucket(rows) is not None
+
+    def lease(self, capacity: int) -> None:
+        """No cache of its own (the caller makes one: `BaseModel.leased_cache`, the `Drafter`)."""
+        return None
+
+    def release(self, cache) -> None:
+        pass
+
+
+class CompiledDecode(BucketRunner):
+    """`BaseModel.decode` compiled for each bucket; `run` pads, calls the graph and drops the pads."""
 
     def __init__(self, base, buckets=BUCKETS):
         self.base = base
@@ -288,22 +309,6 @@ class CompiledDecode:
 
         self.graphs = BucketGraphs(forward, buckets, (base.model,), "compiled rounds")
         self.buckets = self.graphs.buckets
-
-    def bucket(self, rows: int) -> int | None:
-        return self.graphs.bucket(rows)
-
-    def takes(self, cache, rows: int, at: int) -> bool:
-        """Whether `run` takes a pass of `rows` rows written at `at` in `cache` (any cache: the context length is
-        symbolic in the graphs): a bucket holds the rows, and the cache holds two or more (dynamo specialises an int
-        of 0 or 1, which would compile a graph of its own)."""
-        return at > 1 and self.bucket(rows) is not None
-
-    def lease(self, capacity: int) -> None:
-        """No cache of its own (`BaseModel.leased_cache` makes one)."""
-        return None
-
-    def release(self, cache) -> None:
-        pass
 
     def run(self, input_ids, position_ids, mask, cache, features: bool):
         """Like `BaseModel.decode` on q <= max bucket rows, with the cache left at length L + q."""

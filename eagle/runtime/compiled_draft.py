@@ -19,12 +19,12 @@ import torch
 from eagle.kernels import few_rows
 from eagle.models.masks import additive_mask
 
-from .compiled import BucketGraphs, fresh, pad_rows, static_rows
+from .compiled import BucketGraphs, BucketRunner, fresh, pad_rows, static_rows
 
 DRAFT_BUCKETS = (1, 2, 4, 8)
 
 
-class CompiledDraft:
+class CompiledDraft(BucketRunner):
     """`HeadStep` compiled per bucket; `run` pads, calls the graph and drops the pads."""
 
     def __init__(self, step, buckets=DRAFT_BUCKETS):
@@ -38,20 +38,6 @@ class CompiledDraft:
 
         self.graphs = BucketGraphs(head_step, buckets, (step.head, step.base_lm_head), "compiled draft steps")
         self.buckets = self.graphs.buckets
-
-    def bucket(self, rows: int) -> int | None:
-        return self.graphs.bucket(rows)
-
-    def takes(self, cache, rows: int, at: int) -> bool:
-        """As `CompiledDecode.takes`: a bucket holds the rows and they are written at 2 or later."""
-        return at > 1 and self.bucket(rows) is not None
-
-    def lease(self, capacity: int) -> None:
-        """No cache of its own (the `Drafter` makes one)."""
-        return None
-
-    def release(self, cache) -> None:
-        pass
 
     def run(
         self,

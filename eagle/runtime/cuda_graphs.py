@@ -127,10 +127,24 @@ class LeasedCache:
         raise NotImplementedError
 
 
-class GraphedDecode(LeasedCache):
-    """`BaseModel.decode` as CUDA graphs per bucket over a static cache it owns; `run` as `CompiledDecode.run`."""
+class GraphedRunner(LeasedCache):
+    """The CUDA graphs' side of runners.py's interface, shared by the base's and the head's: graphs per bucket of
+    rows (`self.buckets`) over the runner's own cache (`self.cache`), leased to one generation at a time."""
 
     kind = "CUDA graphs"
+    buckets: tuple[int, ...]
+
+    def bucket(self, rows: int) -> int | None:
+        return bucket_for(rows, self.buckets)
+
+    def takes(self, cache, rows: int, at: int) -> bool:
+        """Whether `run` takes `rows` rows written at `at` in `cache`: the runner's own, a bucket holding the rows,
+        written at 2 or later (a prompt's passes run eagerly)."""
+        return cache is self.cache and at > 1 and self.bucket(rows) is not None
+
+
+class GraphedDecode(GraphedRunner):
+    """`BaseModel.decode` as CUDA graphs per bucket over a static cache it owns; `run` as `CompiledDecode.run`."""
 
     def __init__(self, base, buckets=BUCKETS, capacity: int = CAPACITY, capture: bool | None = None,
                  inductor: bool = False):  # fmt: skip
@@ -158,16 +172,8 @@ class GraphedDecode(LeasedCache):
         finally:
             self.cache.write_positions = self.cache.read_span = None
 
-    def bucket(self, rows: int) -> int | None:
-        return bucket_for(rows, self.buckets)
-
     def serves(self, cache) -> bool:
         return cache is self.cache
-
-    def takes(self, cache, rows: int, at: int) -> bool:
-        """Whether `run` takes a pass of `rows` rows written at `at` in `cache`: the runner's own, a bucket holding
-        the rows, and 2 or more cached (a prompt's passes run eagerly)."""
-        return cache is self.cache and at > 1 and self.bucket(rows) is not None
 
     def run(self, input_ids, position_ids, mask, cache, features: bool):
         """Like `BaseModel.decode` on q <= max bucket rows, with the cache left at length L + q."""
@@ -210,7 +216,7 @@ class GraphedDecode(LeasedCache):
         return seconds
 
 
-class GraphedDraft(LeasedCache):
+class GraphedDraft(GraphedRunner):
     """`HeadStep` as CUDA graphs per bucket over a draft cache it owns; `run` as `CompiledDraft.run`."""
 
     def __init__(self, step, buckets=DRAFT_BUCKETS, capacity: int = CAPACITY, capture: bool | None = None):
@@ -227,13 +233,6 @@ class GraphedDraft(LeasedCache):
 
     def _step(self, hidden, ids, positions, mask, write_positions):
         return self.step(hidden, ids, positions, mask, self.cache, write_positions)
-
-    def bucket(self, rows: int) -> int | None:
-        return bucket_for(rows, self.buckets)
-
-    def takes(self, cache, rows: int, at: int) -> bool:
-        """As `GraphedDecode.takes`: the runner's own cache, a bucket holding the rows, written at 2 or later."""
-        return cache is self.cache and at > 1 and self.bucket(rows) is not None
 
     def run(self, hidden, input_ids, position_ids, mask, cache, write_at: int):
         """hidden [1, q, H], ids and positions [1, q], mask [1, 1, q, write_at + q] -> out [q, H], log-probs
