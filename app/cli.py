@@ -154,15 +154,18 @@ def load_engine(args):
 def start_compiled_rounds(engine, loaded, mode: str, log=lambda line: print(f"[compile] {line}")) -> None:
     """Compiled rounds for `engine`: on CUDA, CUDA graphs captured now (seconds); on a CPU, compiled by child
     processes (minutes the first time) and brought in by the idle work (app/idle_work.py)."""
+    from dataclasses import replace
+
     from eagle.model.compiling import compile_rounds
 
     from .idle_work import compiled_rounds, first_stage, first_tree, saved_verdict
     from .precompile import ChildCompile, compiled_before
 
+    loaded.model.runtime = replace(loaded.model.runtime, compile=mode)  # loaded with "off": compiled from here on
     if mode == "off":
         return
     if loaded.device != "cpu":
-        if compile_rounds(loaded.model, mode, log):
+        if compile_rounds(loaded.model, log):
             loaded.model.try_compile_round(log)  # the greedy round's own graphs (eagle/runtime/cuda_round.py)
         engine.info.update(describe_forwards(loaded.model))
         engine.describe_context()

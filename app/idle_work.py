@@ -233,7 +233,6 @@ def compiled_rounds(engine, child, spec, mode: str, log) -> Iterator[str | Loadi
     cache already), load its graphs from the cache a graph a unit, decide (mode "auto": only where compiled forwards
     measure faster, idle and stable), time vanilla decoding with them and put them in use together; then the rest of
     `spec` and the tree tuned on it (`tuned_rounds`), and the round with context chains (`context_rounds`)."""
-    from eagle.runtime import runners
 
     from .precompile import ROUND_STEPS, load_compiled_head, round_graphs
 
@@ -245,7 +244,7 @@ def compiled_rounds(engine, child, spec, mode: str, log) -> Iterator[str | Loadi
     def load(kind: str, rows: int) -> float:
         if not made:
             head = load_compiled_head(model.base_model, spec.head_path, spec.draft_dtype)
-            made.update(base=runners.decode_graphs(model.base, first.base_buckets), head=head,
+            made.update(base=model.compile_base(first.base_buckets), head=head,
                         draft=model.compile_draft(first.draft_buckets, head=head) if first.draft_buckets else None,
                         round=round_graphs(model, head, first.round_tree) if first.round_tree is not None else None)
         if kind in ROUND_STEPS:
@@ -315,7 +314,6 @@ def tuned_rounds(engine, spec, head, log) -> Iterator[str | Loading | Wait]:
     sampling rounds run on them, the tuner times them) compiled by a child and put in use, then the tree tuned on
     their costs, and where it differs from the tree in use, its round's two steps compiled and put in use with it;
     then the round with context chains (`context_rounds`)."""
-    from eagle.runtime import runners
     from eagle.tuning.tuner import forget_costs
 
     from .precompile import ChildCompile, compiled_before
@@ -327,7 +325,7 @@ def tuned_rounds(engine, spec, head, log) -> Iterator[str | Loading | Wait]:
 
     def load(kind: str, rows: int) -> float:
         if not made:
-            made.update(base=runners.decode_graphs(model.base, spec.base_buckets),
+            made.update(base=model.compile_base(spec.base_buckets),
                         draft=model.compile_draft(spec.draft_buckets, head=head))
         return made[kind].warm(rows=[rows])[rows]
 

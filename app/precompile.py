@@ -265,7 +265,6 @@ def compile_graphs(spec: CompileSpec, share: list[tuple[str, int]], on_graph=lam
     import torch
 
     from eagle.model.ea_model import EaModel
-    from eagle.runtime import runners
 
     torch.set_num_threads(spec.threads)
     t0 = time.perf_counter()
@@ -274,7 +273,7 @@ def compile_graphs(spec: CompileSpec, share: list[tuple[str, int]], on_graph=lam
                                     dtype=getattr(torch, spec.dtype), few_row_kernels=plan, **spec.extra)  # fmt: skip
     _emit(event="loaded", seconds=round(time.perf_counter() - t0, 1))
     head = load_compiled_head(model.base_model, spec.head_path, spec.draft_dtype)
-    base_graphs = runners.decode_graphs(model.base, spec.base_buckets)
+    base_graphs = model.compile_base(spec.base_buckets)
     draft_graphs = model.compile_draft(spec.draft_buckets, head=head)
     rounds = round_graphs(model, head, spec.round_tree, spec.round_chains) if spec.round_tree is not None else None
     for kind, rows in share:

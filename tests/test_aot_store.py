@@ -15,6 +15,7 @@ from eagle.kernels import panel_kernel
 from eagle.models.base import BaseModel
 from eagle.models.masks import additive_mask
 from eagle.runtime import aot_store, runners
+from eagle.runtime.config import RuntimeConfig
 
 pytestmark = pytest.mark.skipif(not panel_kernel.available(), reason="graphs are saved whole on the panel kernel")
 
@@ -24,12 +25,13 @@ STEP = textwrap.dedent("""
     sys.path.insert(0, {tests!r})
     from tiny import tiny_base
     from eagle.runtime import runners
+    from eagle.runtime.config import RuntimeConfig
     from eagle.models.base import BaseModel
     from eagle.models.masks import additive_mask
 
     torch.set_num_threads(1)
     base = BaseModel(tiny_base("llama", seed={seed}), eagle3=False)
-    base.compiled = runners.decode_graphs(base, buckets=(1,))
+    base.compiled = runners.decode_graphs(base, RuntimeConfig(base_buckets=(1,)))
     with torch.inference_mode():
         cache = base.new_cache(32)
         base.forward(torch.tensor([[1, 2, 3, 4]]), torch.arange(4)[None], cache, last_logits_only=True)
@@ -83,7 +85,7 @@ def test_the_key_follows_the_graphs_structure_not_the_weights_values():
 def _graphs(tmp_path, monkeypatch):
     monkeypatch.setenv("EAGLE_AOT_DIR", str(tmp_path / "aot"))
     base = BaseModel(tiny_base("llama"), eagle3=False)
-    base.compiled = runners.decode_graphs(base, buckets=(1,))
+    base.compiled = runners.decode_graphs(base, RuntimeConfig(base_buckets=(1,)))
     return base
 
 
@@ -155,7 +157,8 @@ def test_the_graphs_a_model_runs_on_are_not_part_of_its_key():
     def forward(*args):
         return base.decode(*args)
 
-    graphs = runners.decode_graphs(base, buckets=(1,))  # the kernels its graphs run: the child's model has them too
+    # the kernels its graphs run: the child's model has them too
+    graphs = runners.decode_graphs(base, RuntimeConfig(base_buckets=(1,)))
     before = aot_store.key(forward, 1, {})
     base.compiled = graphs
     assert aot_store.key(forward, 1, {}) == before

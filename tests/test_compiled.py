@@ -14,6 +14,7 @@ from eagle.models.masks import additive_mask, tree_mask
 from eagle.runtime import compiled, compiled_draft, runners
 from eagle.runtime.compiled import CompiledDecode, bucket_for, pad_rows
 from eagle.runtime.compiled_draft import CompiledDraft
+from eagle.runtime.config import RuntimeConfig
 from eagle.runtime.round_graphs import CompiledRound
 from eagle.tuning import tuner
 
@@ -123,13 +124,13 @@ def test_compile_auto_follows_the_measurement_and_failures_stay_eager(folder, mo
     assert load("on").base.compiled is not None and any("measured slower" in line for line in lines[-3:])
     assert load("auto").base.compiled is None
 
-    def broken(base, buckets=None, inductor=False):
+    def broken(base, runtime):
         raise RuntimeError("no C++ compiler\nmore detail")
 
     monkeypatch.setattr(runners, "decode_graphs", broken)
     model = load("on")
     assert model.base.compiled is None and lines[-1] == "compiling failed (RuntimeError: no C++ compiler); decoding eagerly"
-    assert compiling.compile_rounds(model, "on", lines.append) is False
+    assert model.runtime.compile == "on" and compiling.compile_rounds(model, lines.append) is False
     with pytest.raises(ValueError, match="compile must be"):
         load("yes")
 
@@ -170,7 +171,7 @@ def test_compiled_graphs_freeze_the_weights_and_go_to_the_disk_cache(folder, mon
     _, model = folder
     few_rows.uninstall(model)  # earlier tests installed the default plan on this model
     base = BaseModel(model, eagle3=False, few_row_plan=few_rows.uniform_plan("wxt"))
-    base.compiled = runners.decode_graphs(base, buckets=(1,))
+    base.compiled = runners.decode_graphs(base, RuntimeConfig(base_buckets=(1,)))
     assert few_rows.plan_of(model) == (few_rows.uniform_plan("panel") if linears == "panel" else None)
     try:
         counters.clear()
@@ -213,7 +214,7 @@ def test_the_disk_cache_serves_a_graph_only_to_the_model_it_was_compiled_for(mon
             base.forward(ids[:, :5], torch.arange(5)[None], cache, last_logits_only=True)
             eager, _ = base.forward(ids[:, 5:], torch.tensor([[5]]), cache, features=False)
             counters.clear()
-            base.compiled = runners.decode_graphs(base, buckets=(1,))
+            base.compiled = runners.decode_graphs(base, RuntimeConfig(base_buckets=(1,)))
             base.compiled.warm()
             assert counters["inductor"][f"fxgraph_cache_{cached}"] == 1, (seed, dict(counters["inductor"]))
             assert counters["inductor"]["cpp_templated_kernel_counter"] > 0  # the packed weights are in the entry

@@ -19,14 +19,13 @@ from transformers import DynamicCache
 from eagle.decoding.generate import Budget, eagle_rounds
 from eagle.decoding.verify import SamplingParams, TokenPicker
 from eagle.model.ea_model import EaModel
-from eagle.runtime import runners
 
 BASE_BUCKETS, DRAFT_BUCKETS = (8,), (4,)
 
 
 def compile_now(model: EaModel) -> EaModel:
     """Build, warm and install the compiled graphs (what compile_rounds does, without timing them)."""
-    graphs = runners.decode_graphs(model.base, BASE_BUCKETS)
+    graphs = model.compile_base(BASE_BUCKETS)
     graphs.warm()
     draft = model.compile_draft(DRAFT_BUCKETS)
     draft.warm()

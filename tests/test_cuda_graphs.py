@@ -120,17 +120,17 @@ def test_a_base_spread_over_devices_is_refused_in_one_line_and_decodes_eagerly(t
     """device_map over several GPUs: graphs hold one device's addresses, so compile_rounds says why in one line and
     the model decodes eagerly (here the spread is a layer on the meta device, and the CUDA route is forced)."""
     from eagle.model.compiling import compile_rounds
-    from eagle.runtime import runners
+    from eagle.runtime.config import RuntimeConfig
 
     base = tiny_base("llama")
     model = EaModel(base, load_head(base, *read_checkpoint(random_draft(base, str(tmp_path / "d")))), None, 8, 3, 4)
     base.model.layers[-1].to("meta")
     with pytest.raises(ValueError, match="whole base on one device"):
         GraphedDecode(model.base, BASE_BUCKETS, 64, capture=False)
-    monkeypatch.setattr(runners, "on_cuda", lambda module: True)
+    model.runtime = RuntimeConfig("cuda", "on")  # the CUDA route, on this CPU
     monkeypatch.setenv("EAGLE_CACHE", str(tmp_path / "cache"))
     lines = []
-    assert compile_rounds(model, "on", lines.append) is False
+    assert compile_rounds(model, lines.append) is False
     assert model.base.compiled is None and model.compiled_draft is None
     assert any("whole base on one device" in line and "decoding eagerly" in line for line in lines), lines
 
@@ -260,11 +260,12 @@ def test_captured_rounds_on_cuda_equal_greedy_generate_and_read_the_host_once_a_
 def test_a_model_on_the_cpu_leaves_the_processes_cuda_attention_settings_alone():
     """runners.device_settings turns cuDNN's attention off for models on CUDA only (test_gpu.py checks that side)."""
     from eagle.runtime import runners
+    from eagle.runtime.config import RuntimeConfig
 
     before = torch.backends.cuda.cudnn_sdp_enabled()
     try:
         torch.backends.cuda.enable_cudnn_sdp(True)
-        runners.device_settings(tiny_base())
+        runners.device_settings(RuntimeConfig.of(tiny_base()))
         assert torch.backends.cuda.cudnn_sdp_enabled()
     finally:
         torch.backends.cuda.enable_cudnn_sdp(before)

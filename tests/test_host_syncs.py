@@ -3,6 +3,8 @@ one transfer (on a GPU every read is a sync that idles it). Counted on CPU with 
 (`tolist`, `item`, `int`, `bool`, ...); sampling on CPU draws per visited node (a read each, free on a CPU), so
 the count is pinned for greedy decoding and for the batched draw that CUDA uses."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 from host_reads import HostReads
@@ -10,7 +12,6 @@ from tiny import random_draft, tiny_base
 
 from eagle.decoding.generate import TreeSpec
 from eagle.decoding.tree import MC_SIM_7B_63
-from eagle.decoding.verify import TokenPicker
 from eagle.model.ea_model import EaModel, load_head
 from eagle.models.checkpoint import read_checkpoint
 
@@ -44,14 +45,11 @@ def test_vanilla_reads_the_device_once_per_token(model):
 
 
 def test_sampling_with_batched_draws_reads_the_device_once_per_round(model, monkeypatch):
-    """CUDA's path (one draw per tree node, all at once), forced on CPU."""
-    draws = TokenPicker.draws
-
-    def batched(self, logits):
-        return draws(self, logits) if self.params.greedy else torch.multinomial(self.probs(logits), 1)[:, 0]
-
-    monkeypatch.setattr(TokenPicker, "draws", batched)
+    """CUDA's path (one draw per tree node, all at once: `RuntimeConfig.batched_draws`), chosen on CPU."""
+    monkeypatch.setattr(model, "runtime", replace(model.runtime, batched_draws=True))
     assert reads_per_round(model, temperature=0.8) == 1
+    monkeypatch.setattr(model, "runtime", replace(model.runtime, batched_draws=False))
+    assert reads_per_round(model, temperature=0.8) > 1  # the CPU's: a read per node the walk visits
 
 
 def test_timers_wait_for_every_gpu_a_device_map_uses(monkeypatch):

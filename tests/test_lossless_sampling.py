@@ -1,5 +1,7 @@
 """Sampled EAGLE output has exactly the base model's distribution (temperature, top-p, top-k)."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 from lossless_checks import (
@@ -60,6 +62,14 @@ def test_sampling_with_an_eagle3_head_and_a_reduced_draft_vocabulary_follows_the
     model = make_model(eagle3_checkpoint)
     assert model.use_eagle3 and model.ea_layer.config.draft_vocab_size == 6
     assert_follows_base_distribution(model, SamplingParams(1.0))
+
+
+@pytest.mark.parametrize("tree_choices", [None, [[0], [1], [0, 0], [1, 0], [0, 0, 0]]], ids=["dynamic", "static"])
+def test_sampling_with_batched_draws_follows_the_base_distribution(checkpoint, tree_choices):
+    """The GPU's way (`RuntimeConfig.batched_draws`: one draw for every tree node at once), chosen on this CPU."""
+    model = make_model(checkpoint, **({"tree_choices": tree_choices} if tree_choices else {}))
+    model.runtime = replace(model.runtime, batched_draws=True)
+    assert_follows_base_distribution(model, SamplingParams(0.8, top_p=0.9, top_k=5))
 
 
 def test_sampling_on_the_static_tree_follows_the_base_distribution(checkpoint):

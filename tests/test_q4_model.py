@@ -167,9 +167,7 @@ def test_compiled_greedy_eagle_equals_compiled_greedy_vanilla_at_q4_1_weights(tm
     base = quantized_tiny_base(tmp_path / "tiny.gguf", layers=4)
     config, state = read_checkpoint(random_draft(base, str(tmp_path / "draft")))
     model = EaModel(base, load_head(base, config, state), None, total_token=8, depth=3, top_k=4)
-    from eagle.runtime import runners
-
-    graphs = runners.decode_graphs(model.base, (1, 8))
+    graphs = model.compile_base((1, 8))
     graphs.warm()
     model.base.compiled = graphs
     assert few_rows.weights_of(base).startswith("q4_1") and graphs.graphs.linears(8) == "panel kernel"

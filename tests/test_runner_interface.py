@@ -2,6 +2,9 @@
 in use only where its `takes` says so, through `run`, on a cache it `lease`d or one made with a bucket of room; a
 backend that answers these calls plugs in without a change to the algorithm, and the output stays vanilla's."""
 
+from dataclasses import FrozenInstanceError
+
+import pytest
 import torch
 from tiny import random_draft, tiny_base
 
@@ -9,8 +12,10 @@ from eagle.decoding.draft import Drafter, HeadStep
 from eagle.model.ea_model import EaModel, load_head
 from eagle.models.checkpoint import read_checkpoint
 from eagle.models.kv_cache import TreeKVCache
+from eagle.runtime import compiled, compiled_draft, cuda_graphs
 from eagle.runtime.compiled import CompiledDecode
 from eagle.runtime.compiled_draft import CompiledDraft
+from eagle.runtime.config import RuntimeConfig
 
 
 class Recording:
@@ -89,3 +94,29 @@ def test_the_cpu_graphs_take_passes_a_bucket_holds_after_two_cached_rows(tmp_pat
     assert not passes.takes(cache, 1, 1) and not passes.takes(cache, 9, 20)
     assert steps.takes(cache, 2, 2) and not steps.takes(cache, 4, 2) and not steps.takes(cache, 1, 0)
     assert passes.lease(32) is None and steps.lease(32) is None
+
+
+def test_one_frozen_runtime_config_says_which_backend_every_runner_is_built_for(tmp_path):
+    """The device's defaults (buckets, draws), the compile mode checked once, and the model's builders reading it."""
+    cpu, cuda = RuntimeConfig.of(tiny_base()), RuntimeConfig("cuda", "on")
+    assert (cpu.device, cpu.compile, cpu.batched_draws, cpu.backend) == ("cpu", "off", False, CompiledDecode.kind)
+    assert (cpu.base_buckets, cpu.draft_buckets) == (compiled.BUCKETS, compiled_draft.DRAFT_BUCKETS)
+    assert (cuda.base_buckets, cuda.draft_buckets) == (cuda_graphs.BUCKETS, cuda_graphs.DRAFT_BUCKETS)
+    assert cuda.batched_draws and cuda.backend == cuda_graphs.GraphedRunner.kind and not cuda.inductor_kernels
+    assert RuntimeConfig("cuda", "inductor").inductor_kernels and not RuntimeConfig("cpu", "inductor").inductor_kernels
+    subset = cpu.with_buckets(base=(1, 8))
+    assert (subset.base_buckets, subset.draft_buckets) == ((1, 8), cpu.draft_buckets) and cpu.base_buckets != (1, 8)
+    with pytest.raises(FrozenInstanceError):
+        cpu.compile = "on"
+    with pytest.raises(ValueError, match="compile must be one of"):
+        RuntimeConfig(compile="yes")
+
+    model = make_model(tmp_path)
+    assert model.runtime == cpu
+    try:
+        passes, steps = model.compile_base((1, 8)), model.compile_draft((2,))  # built, compiled at their first call
+        assert isinstance(passes, CompiledDecode) and passes.buckets == (1, 8)
+        assert isinstance(steps, CompiledDraft) and steps.buckets == (2,)
+        assert model.compile_draft().buckets == cpu.draft_buckets
+    finally:
+        model.base.decompile()

@@ -52,10 +52,13 @@ class SamplingParams:
 
 class TokenPicker:
     """Draws the base's token at a node, with the same processing as transformers' `generate(do_sample=True)`
-    (temperature, then top-k, then top-p)."""
+    (temperature, then top-k, then top-p). batched: when sampling, one draw for every node of the tree at once
+    (`exponential_race`: no host sync) rather than one per node the walk reaches; a cost choice, made by the
+    caller (`RuntimeConfig.batched_draws`): either is exact."""
 
-    def __init__(self, params: SamplingParams):
+    def __init__(self, params: SamplingParams, batched: bool = False):
         self.params = params
+        self.batched = batched
         self.warpers = []
         if not params.greedy:
             if params.temperature != 1.0:
@@ -73,15 +76,12 @@ class TokenPicker:
         return torch.softmax(scores, dim=-1)
 
     def draws(self, logits: torch.Tensor) -> torch.Tensor | None:
-        """[n, V] logits of the tree nodes -> [n] one base token per node, on the device: the argmax, or on CUDA
-        one batched draw (`exponential_race`: no host sync). Independent draws per node keep the walk exact: the
-        nodes it visits are decided by earlier draws, never by their own. None on CPU when sampling: a top-p sort
-        over every row costs more there than the few nodes a walk visits (`node_picker`)."""
+        """[n, V] logits of the tree nodes -> [n] one base token per node, on the device: the argmax, or when
+        `batched`, one draw per node at once. Independent draws per node keep the walk exact: the nodes it visits
+        are decided by earlier draws, never by their own. None when sampling unbatched (`node_picker` draws)."""
         if self.params.greedy:
             return logits.argmax(dim=-1)
-        if logits.device.type == "cuda":
-            return exponential_race(self.probs(logits))
-        return None
+        return exponential_race(self.probs(logits)) if self.batched else None
 
     def node_picker(self, logits: torch.Tensor):
         """[n, V] logits -> a function node -> base token, drawn when the walk reaches the node."""

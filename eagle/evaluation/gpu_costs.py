@@ -19,6 +19,7 @@ import contextlib
 import json
 import statistics
 import time
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -156,7 +157,8 @@ def graph(model, capture: bool, direct: bool = False) -> dict:
 
     t0, lines = time.perf_counter(), []
     if capture and not direct:
-        in_use = compile_rounds(model, "on", lines.append)
+        model.runtime = replace(model.runtime, compile="on")
+        in_use = compile_rounds(model, lines.append)
     else:
         model.base.compiled = GraphedDecode(model.base, BUCKETS, CAPACITY, capture)
         model.compiled_draft = GraphedDraft(HeadStep(model.ea_layer, model.base.lm_head), DRAFT_BUCKETS, CAPACITY,

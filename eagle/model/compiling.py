@@ -15,10 +15,10 @@ from eagle.kernels import few_rows, quant_panels
 from eagle.tuning import cost_cache, tuner
 
 
-def compile_rounds(model, mode: str, log, swap=None) -> bool | None:
+def compile_rounds(model, log, swap=None) -> bool | None:
     """Compiled base forwards (`compiled.py`) and draft steps (`compiled_draft.py`), on CUDA CUDA graphs of them
-    (`cuda_graphs.py`), for mode "on", or for "auto" where they measure faster than eager here (their forwards per
-    bucket, timed once per machine + model, cached).
+    (`cuda_graphs.py`), as the model's `runtime` says: for compile "on", or for "auto" where they measure faster than
+    eager here (their forwards per bucket, timed once per machine + model, cached).
 
     Compiling takes minutes on a CPU (capturing CUDA graphs, seconds); the graphs are built and warmed beside the
     eager model, then `swap(install)` is called: `install()` puts them in use (call it when no generation runs),
@@ -26,16 +26,16 @@ def compile_rounds(model, mode: str, log, swap=None) -> bool | None:
     whether they are in use (default: at once). Without `swap`, "auto" on a CPU compiles only once an earlier start
     measured it (a load is not made to wait minutes by default); with one (the app, serving eagerly meanwhile), it
     compiles to measure. Failures stay eager with one line in `log`. Returns whether the base's forwards are
-    compiled in the end, or what `swap` returns. Mode "inductor": "on", with inductor's kernels in the CUDA graphs
-    (runners.decode_graphs)."""
-    from eagle.runtime import runners
+    compiled in the end, or what `swap` returns. Compile "inductor": "on", with inductor's kernels in the CUDA
+    graphs (runners.decode_graphs)."""
 
-    base = model.base
-    cuda = runners.on_cuda(base.lm_head)
-    BUCKETS = runners.base_buckets(cuda)  # noqa: N806
+    base, runtime = model.base, model.runtime
+    mode, cuda = runtime.compile, runtime.cuda
+    if mode == "off":
+        return False
     # keyed on the eager model, as it is before compiling, and on how it compiles (a change re-measures)
-    kernels = "inductor" if mode == "inductor" and cuda else ""  # CUDA graphs of inductor's kernels measure apart
-    how = hashlib.sha256(f"{cost_cache.compiled_options()}{BUCKETS}{kernels}".encode()).hexdigest()[:8]
+    kernels = "inductor" if runtime.inductor_kernels else ""  # CUDA graphs of inductor's kernels measure apart
+    how = hashlib.sha256(f"{cost_cache.compiled_options()}{runtime.base_buckets}{kernels}".encode()).hexdigest()[:8]
     path = cost_cache.path(model, f"-compiled-{how}")
     saved = cost_cache.load(path)
     if mode == "auto" and saved is None and swap is None and not cuda:
@@ -44,10 +44,9 @@ def compile_rounds(model, mode: str, log, swap=None) -> bool | None:
         return False
     if mode == "auto" and saved is not None and not saved["compiled_pays"]:
         return False
-    how_built = "CUDA graphs" if cuda else "inductor"
-    log(f"compiling the base's 1-row step and verify passes, then the draft steps ({how_built})")
+    log(f"compiling the base's 1-row step and verify passes, then the draft steps ({runtime.backend})")
     try:
-        graphs = runners.decode_graphs(base, inductor=mode == "inductor")
+        graphs = model.compile_base()
         graphs.warm(log)
     except Exception as e:  # noqa: BLE001 - any compiler failure means: stay eager, say why
         base.decompile()

@@ -27,6 +27,7 @@ from eagle.models.base import BaseModel
 from eagle.models.checkpoint import build_draft_head, read_acceptance_profile, read_checkpoint, read_context_profile
 from eagle.models.draft_head import DraftHead
 from eagle.runtime import runners
+from eagle.runtime.config import RuntimeConfig, check_compile
 from eagle.runtime.round_graphs import EagerRound
 from eagle.tuning.tuner import TreeChoice, faster_draft_dtype, few_row_plan, panel_tiling, tune
 
@@ -57,11 +58,14 @@ class EaModel(nn.Module):
     def __init__(
         self, base_model: nn.Module, ea_layer: DraftHead, tokenizer=None, total_token: int = 60, depth: int = 7,
         top_k: int = 10, tree_choices: list[list[int]] | None = None, few_row_plan: dict | bool | None = None,
+        runtime: RuntimeConfig | None = None,
     ):  # fmt: skip
         """few_row_plan: the kernel per row count of the base's float32 CPU layers (eagle/kernels/few_rows.py;
-        None = its default plan, False = plain nn.Linear)."""
+        None = its default plan, False = plain nn.Linear). runtime: how passes run (default: eagerly, on the
+        base's device); `runners.py` builds every compiled runner from it."""
         super().__init__()
-        runners.device_settings(base_model)
+        self.runtime = runtime or RuntimeConfig.of(base_model)
+        runners.device_settings(self.runtime)
         self.base_model = base_model
         self.ea_layer = ea_layer
         self.tokenizer = tokenizer
@@ -113,8 +117,7 @@ class EaModel(nn.Module):
         function) hears about measurements and compiling."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        if compile not in ("auto", "on", "off", "inductor"):
-            raise ValueError(f"compile must be 'auto', 'on', 'off' or 'inductor', got {compile!r}")
+        check_compile(compile)  # before minutes of loading
         if base_model_path is None or ea_model_path is None:
             raise ValueError("from_pretrained needs base_model_path and ea_model_path")
         if "torch_dtype" in kwargs:  # the reference's spelling; transformers 5 calls it dtype
@@ -131,7 +134,8 @@ class EaModel(nn.Module):
         # ("auto" starts unpacked: the tuner packs only to time the packed kernel, once per machine).
         plan = few_row_kernels if isinstance(few_row_kernels, dict) else {
             True: None, False: False, "auto": few_rows.uniform_plan("linear")}[few_row_kernels]  # fmt: skip
-        model = cls(base, head, tokenizer, max(total_token, 2), depth, top_k, tree_choices, plan)
+        runtime = RuntimeConfig.of(base, compile)
+        model = cls(base, head, tokenizer, max(total_token, 2), depth, top_k, tree_choices, plan, runtime)
         if few_rows.plan_of(base) is not None:  # float32 CPU layers: the kernel per row count
             if few_row_kernels == "auto":
                 few_rows.set_plan(base, few_row_plan(model))
@@ -142,7 +146,7 @@ class EaModel(nn.Module):
         if draft_dtype == "auto" and head.fc.weight.dtype == torch.float32 and head.fc.weight.device.type == "cpu":
             model.ea_layer.to(faster_draft_dtype(model))  # bf16 where it drafts faster on this CPU
         if compile != "off":
-            compile_rounds(model, compile, log or (lambda line: None))
+            compile_rounds(model, log or (lambda line: None))
         if total_token == -1:
             profile = read_acceptance_profile(ea_model_path)
             if profile is not None and not tree_choices:  # the tree that measures fastest here (tuner.py)
@@ -180,11 +184,19 @@ class EaModel(nn.Module):
         shape = TreeShape.of(tree.total_token, tree.depth, tree.top_k)
         return shape.with_chains(self.context_chains) if tree.chain else shape
 
+    def compile_base(self, buckets=None):
+        """The base's vanilla step and verify passes as compiled graphs (runners.decode_graphs), compiled lazily or
+        now with their `warm()`; `forward` runs them once set as `self.base.compiled`. buckets: default the
+        runtime's."""
+        return runners.decode_graphs(self.base, self.runtime.with_buckets(base=buckets or ()))
+
     def compile_draft(self, buckets=None, head=None):
         """The draft head's steps as compiled graphs (runners.draft_graphs), compiled lazily or now with their
         `warm()`; drafting runs them once they are set as `self.compiled_draft` (with `head` as `self.ea_layer`).
-        The head's dtype and weights are frozen into the graphs: cast it first. head: default `self.ea_layer`."""
-        return runners.draft_graphs(HeadStep(head or self.ea_layer, self.base.lm_head), buckets)
+        The head's dtype and weights are frozen into the graphs: cast it first. head: default `self.ea_layer`;
+        buckets: default the runtime's."""
+        step = HeadStep(head or self.ea_layer, self.base.lm_head)
+        return runners.draft_graphs(step, self.runtime.with_buckets(draft=buckets or ()))
 
     def round_runner(self, tree: TreeSpec, picker: TokenPicker):
         """The runner of greedy dynamic-tree rounds in two steps (round_graphs.py): eager while the base runs
@@ -291,7 +303,8 @@ class EaModel(nn.Module):
     ) -> Iterator[Round]:  # fmt: skip
         """`stream` on input_ids already checked by `_check_input` ([1, n], on CPU). context_drafts: copies of
         earlier text offered beside the head's drafts where they measure worth it (context_draft.py)."""
-        picker = TokenPicker(SamplingParams(float(temperature), float(top_p or 0.0), int(top_k or 0)))
+        params = SamplingParams(float(temperature), float(top_p or 0.0), int(top_k or 0))
+        picker = TokenPicker(params, batched=self.runtime.batched_draws)
         stops = self.stop_token_ids if stop_token_ids is None else set(stop_token_ids)
         budget = Budget(input_ids.shape[1], max_new_tokens, max_length, stops)
         tree = replace(tree or self.tree, chain=self.context_chain if context_drafts and eagle else 0)

@@ -1,6 +1,6 @@
-"""The one place that picks how compiled passes run on a device: inductor graphs on a CPU (compiled.py,
-compiled_draft.py, round_graphs.py), CUDA graphs on CUDA (cuda_graphs.py, cuda_round.py). Each builder returns a
-runner that its caller puts in use (`BaseModel.compiled`, `EaModel.compiled_draft`, `EaModel.compiled_rounds`); the
+"""The one place that picks how compiled passes run, from the model's `RuntimeConfig` (config.py): inductor graphs
+on a CPU (compiled.py, compiled_draft.py, round_graphs.py), CUDA graphs on CUDA (cuda_graphs.py, cuda_round.py). Each
+builder returns a runner that its caller puts in use (`BaseModel.compiled`, `EaModel.compiled_draft`, `EaModel.compiled_rounds`); the
 algorithm (generate.py, draft.py, round_steps.py) never imports this module.
 
 A runner of passes or of the head's steps, whatever its backend, answers the same calls:
@@ -21,37 +21,29 @@ from eagle.decoding.round_steps import TreeShape
 from eagle.kernels import few_rows
 
 from . import compiled, compiled_draft, cuda_graphs
+from .config import RuntimeConfig
 from .cuda_round import CudaRound
 from .round_graphs import CompiledRound
 
 
-def on_cuda(module) -> bool:
-    return next(module.parameters()).device.type == "cuda"
-
-
-def device_settings(module) -> None:
-    """Process-wide settings for the device `module` runs on, applied when a model is built there (idempotent).
+def device_settings(config: RuntimeConfig) -> None:
+    """Process-wide settings for the device a model runs on, applied when a model is built there (idempotent).
     CUDA: scaled_dot_product_attention without cuDNN's kernel. For a call with an explicit mask (every tree pass,
     the prefill, the head's levels) torch sends it to cuDNN first on Hopper and later GPUs, and cuDNN builds an
     execution plan for every new shape before its first call: each new prompt length, and each key length the
     eager parts of a round meet, then waits for a plan (BENCHMARKS.md, "The embedded default's real weights on one
     H100"). The memory-efficient kernel takes the same masks and needs no plan."""
-    if on_cuda(module):
+    if config.cuda:
         torch.backends.cuda.enable_cudnn_sdp(False)
 
 
-def base_buckets(cuda: bool) -> tuple[int, ...]:
-    """The rows of the base's graphs: the vanilla step and the verify passes."""
-    return cuda_graphs.BUCKETS if cuda else compiled.BUCKETS
-
-
-def decode_graphs(base, buckets=None, inductor: bool = False):
-    """Graphs of the base's vanilla step and verify passes, built lazily or now with their `warm()`; `forward` runs
-    them once set as `base.compiled` (between generations: a cache is sized for the graphs in use when it is made).
-    inductor (CUDA): the vanilla step's graphs and the round's of inductor's fused kernels, compiled first (a minute
-    or so a graph; the CPU's graphs are inductor's always)."""
-    if on_cuda(base.lm_head):
-        return cuda_graphs.GraphedDecode(base, buckets or cuda_graphs.BUCKETS, inductor=inductor)
+def decode_graphs(base, config: RuntimeConfig):
+    """Graphs of the base's vanilla step and verify passes over `config.base_buckets` rows, built lazily or now with
+    their `warm()`; `forward` runs them once set as `base.compiled` (between generations: a cache is sized for the
+    graphs in use when it is made). `config.inductor_kernels` (CUDA): the vanilla step's graphs and the round's of
+    inductor's fused kernels, compiled first (a minute or so a graph; the CPU's graphs are inductor's always)."""
+    if config.cuda:
+        return cuda_graphs.GraphedDecode(base, config.base_buckets, inductor=config.inductor_kernels)
     # The graphs' linears: the panel kernel where it runs here (an operator inductor calls as is, on panels made
     # once), else plain nn.Linear layers, for inductor's own GEMMs: dynamo lifts a custom module's weights as graph
     # inputs, which inductor cannot freeze. Swapping a layer's plan or class under a running eager forward is
@@ -61,15 +53,15 @@ def decode_graphs(base, buckets=None, inductor: bool = False):
     panels = few_rows.uniform_plan("panel")
     if base.eager_plan is None or few_rows.set_plan(base.model, panels) != panels:
         few_rows.uninstall(base.model)
-    return compiled.CompiledDecode(base, buckets or compiled.BUCKETS)
+    return compiled.CompiledDecode(base, config.base_buckets)
 
 
-def draft_graphs(step, buckets=None):
-    """Graphs of the draft head's steps (`draft.HeadStep`) per bucket of rows; the head's dtype and weights are
-    frozen into them."""
-    if on_cuda(step.head):
-        return cuda_graphs.GraphedDraft(step, buckets or cuda_graphs.DRAFT_BUCKETS)
-    return compiled_draft.CompiledDraft(step, buckets or compiled_draft.DRAFT_BUCKETS)
+def draft_graphs(step, config: RuntimeConfig):
+    """Graphs of the draft head's steps (`draft.HeadStep`) over `config.draft_buckets` rows; the head's dtype and
+    weights are frozen into them."""
+    if config.cuda:
+        return cuda_graphs.GraphedDraft(step, config.draft_buckets)
+    return compiled_draft.CompiledDraft(step, config.draft_buckets)
 
 
 def graphed_on_cuda(base) -> bool:
