@@ -35,8 +35,11 @@ def graph_now(model: EaModel, capture: bool = False, capacity: int = 512) -> EaM
     """Build, warm and install the graphed rounds (what compile_rounds does on CUDA, without timing them)."""
     model.base.compiled = GraphedDecode(model.base, BASE_BUCKETS, capacity, capture)
     model.compiled_draft = GraphedDraft(HeadStep(model.ea_layer, model.base.lm_head), DRAFT_BUCKETS, capacity, capture)
-    model.base.compiled.warm()
-    model.compiled_draft.warm()
+    lines = []  # every bucket captured (at every span), one line each
+    assert set(model.base.compiled.warm(lines.append)) == set(BASE_BUCKETS)
+    assert set(model.compiled_draft.warm(lines.append)) == set(DRAFT_BUCKETS)
+    assert [line.split(" as ")[0] for line in lines] == ["captured the 1-row forward", "captured the 8-row forward",
+                                                         "captured the 4-row draft step"]  # fmt: skip
     return model
 
 

@@ -142,6 +142,17 @@ class GraphedRunner(LeasedCache):
         written at 2 or later (a prompt's passes run eagerly)."""
         return cache is self.cache and at > 1 and self.bucket(rows) is not None
 
+    def capture_buckets(self, what: str, passes, log=None) -> dict[int, float]:
+        """`passes(rows)` (the passes that capture a bucket at every span) for each bucket; seconds per bucket."""
+        seconds = {}
+        for rows in self.buckets:
+            t0 = time.perf_counter()
+            passes(rows)
+            seconds[rows] = time.perf_counter() - t0
+            if log:
+                log(f"captured the {rows}-row {what} as CUDA graphs ({len(self.spans)} spans) in {seconds[rows]:.1f} s")
+        return seconds
+
 
 class GraphedDecode(GraphedRunner):
     """`BaseModel.decode` as CUDA graphs per bucket over a static cache it owns; `run` as `CompiledDecode.run`."""
@@ -172,9 +183,6 @@ class GraphedDecode(GraphedRunner):
         finally:
             self.cache.write_positions = self.cache.read_span = None
 
-    def serves(self, cache) -> bool:
-        return cache is self.cache
-
     def run(self, input_ids, position_ids, mask, cache, features: bool):
         """Like `BaseModel.decode` on q <= max bucket rows, with the cache left at length L + q."""
         q, length = input_ids.shape[1], cache.length
@@ -191,29 +199,25 @@ class GraphedDecode(GraphedRunner):
     def warm(self, log=None, context: int = 64) -> dict[int, float]:
         """Capture every bucket at every span now: the vanilla step without features, verify passes with (a pass
         after `context` positions, then at the end of each longer span). Seconds per bucket, all spans."""
-        seconds, context = {}, min(context, self.capacity)
+        context, device = min(context, self.capacity), self.base.input_device
+        ids = torch.zeros(1, context + max(self.buckets), dtype=torch.long, device=device)
         with torch.inference_mode():
             cache = self.lease(context)
+
+            def passes(rows: int) -> None:
+                for length in warm_lengths(self.spans, rows, context):
+                    cache.crop_to(length)  # positions past `context` hold zeros: a pass reads them masked in
+                    allowed = torch.ones(rows, length + rows, dtype=torch.bool, device=device).tril(length)
+                    positions = torch.arange(length, length + rows, device=device)[None]
+                    self.run(ids[:, :rows], positions, additive_mask(allowed, self.base.dtype), cache, rows > 1)
+                cache.crop_to(context)
+
             try:
-                device = self.base.input_device
-                ids = torch.zeros(1, context + max(self.buckets), dtype=torch.long, device=device)
                 self.base.forward(ids[:, :context], torch.arange(context, device=device)[None], cache,
                                   last_logits_only=True)  # fmt: skip
-                for rows in self.buckets:
-                    t0 = time.perf_counter()
-                    for length in warm_lengths(self.spans, rows, context):
-                        cache.crop_to(length)  # positions past `context` hold zeros: a pass reads them masked in
-                        allowed = torch.ones(rows, length + rows, dtype=torch.bool, device=device).tril(length)
-                        positions = torch.arange(length, length + rows, device=device)[None]
-                        self.run(ids[:, :rows], positions, additive_mask(allowed, self.base.dtype), cache, rows > 1)
-                    cache.crop_to(context)
-                    seconds[rows] = time.perf_counter() - t0
-                    if log:
-                        log(f"captured the {rows}-row forward as CUDA graphs ({len(self.spans)} spans) in "
-                            f"{seconds[rows]:.1f} s")  # fmt: skip
+                return self.capture_buckets("forward", passes, log)
             finally:
                 self.release(cache)
-        return seconds
 
 
 class GraphedDraft(GraphedRunner):
@@ -250,22 +254,19 @@ class GraphedDraft(GraphedRunner):
         """Capture every bucket now (a step over dummy rows after `context` cached ones); seconds per bucket."""
         head = self.step.head
         dtype, H, device = head.fc.weight.dtype, head.config.hidden_size, head.fc.weight.device
-        seconds, context = {}, min(context, self.capacity)
+        context = min(context, self.capacity)
         with torch.inference_mode():
             cache = self.lease(context)
+
+            def passes(rows: int) -> None:
+                for at in warm_lengths(self.spans, rows, context):
+                    allowed = torch.ones(rows, at + rows, dtype=torch.bool, device=device).tril(at)
+                    self.run(torch.zeros(1, rows, H, dtype=dtype, device=device),
+                             torch.zeros(1, rows, dtype=torch.long, device=device),
+                             torch.arange(at, at + rows, device=device)[None],
+                             additive_mask(allowed, dtype), cache, at)  # fmt: skip
+
             try:
-                for rows in self.buckets:
-                    t0 = time.perf_counter()
-                    for at in warm_lengths(self.spans, rows, context):
-                        allowed = torch.ones(rows, at + rows, dtype=torch.bool, device=device).tril(at)
-                        self.run(torch.zeros(1, rows, H, dtype=dtype, device=device),
-                                 torch.zeros(1, rows, dtype=torch.long, device=device),
-                                 torch.arange(at, at + rows, device=device)[None],
-                                 additive_mask(allowed, dtype), cache, at)  # fmt: skip
-                    seconds[rows] = time.perf_counter() - t0
-                    if log:
-                        log(f"captured the {rows}-row draft step as CUDA graphs ({len(self.spans)} spans) in "
-                            f"{seconds[rows]:.1f} s")  # fmt: skip
+                return self.capture_buckets("draft step", passes, log)
             finally:
                 self.release(cache)
-        return seconds

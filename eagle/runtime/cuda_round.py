@@ -86,7 +86,7 @@ class CudaRound(EagerRound, LeasedCache):
     def verify(self, cache, committed: int, tree: DeviceTree, chain=None) -> Verdict:
         N = self.shape.nodes
         span = bucket_for(committed + N, self.decode.spans)
-        if chain is not None or not self.decode.serves(cache) or not span:
+        if chain is not None or cache is not self.decode.cache or not span:
             return super().verify(cache, committed, tree, chain)
         verify = functools.partial(self._verify, span=span)
         inputs = (_position(committed, tree.tokens.device), *tree)
@@ -107,7 +107,7 @@ class CudaRound(EagerRound, LeasedCache):
             cache.write_positions = cache.read_span = None
 
     def keep(self, cache, committed: int, path: list[int], verdict: Verdict) -> None:
-        if not self.decode.serves(cache) or path == list(range(len(path))):  # elsewhere, or in place already
+        if cache is not self.decode.cache or path == list(range(len(path))):  # elsewhere, or in place already
             return super().keep(cache, committed, path, verdict)
         self.steps.run(("keep",), self._keep, (_position(committed, verdict.path.device), verdict.path))
         cache.crop_to(committed + len(path))
