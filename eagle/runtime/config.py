@@ -1,5 +1,6 @@
-"""How a loaded model's passes run: one frozen object, built when the model is built (`RuntimeConfig.of`), read by
-runners.py (the one place that builds runners) and by the model's own cost choices; nothing below reads flags."""
+"""How a loaded model's passes run: one frozen object, built with the model (`RuntimeConfig.of`), read by runners.py
+(the one place that builds runners) and by the model; the algorithm never sees it (a cost choice reaches it as an
+argument: `TokenPicker(batched=...)`)."""
 
 from __future__ import annotations
 
