@@ -200,9 +200,9 @@ class GraphedDecode(GraphedRunner):
         """Capture every bucket at every span now: the vanilla step without features, verify passes with (a pass
         after `context` positions, then at the end of each longer span). Seconds per bucket, all spans."""
         context, device = min(context, self.capacity), self.base.input_device
-        ids = torch.zeros(1, context + max(self.buckets), dtype=torch.long, device=device)
         with torch.inference_mode():
             cache = self.lease(context)
+            ids = torch.zeros(1, context + max(self.buckets), dtype=torch.long, device=device)
 
             def passes(rows: int) -> None:
                 for length in warm_lengths(self.spans, rows, context):

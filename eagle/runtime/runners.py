@@ -1,7 +1,7 @@
 """The one place that picks how compiled passes run, from the model's `RuntimeConfig` (config.py): inductor graphs
-on a CPU (compiled.py, compiled_draft.py, round_graphs.py), CUDA graphs on CUDA (cuda_graphs.py, cuda_round.py). Each
-builder returns a runner that its caller puts in use (`BaseModel.compiled`, `EaModel.compiled_draft`, `EaModel.compiled_rounds`); the
-algorithm (generate.py, draft.py, round_steps.py) never imports this module.
+on a CPU (compiled.py, compiled_draft.py, round_graphs.py), CUDA graphs on CUDA (cuda_graphs.py, cuda_round.py).
+Each builder returns a runner that its caller puts in use (`BaseModel.compiled`, `EaModel.compiled_draft`,
+`EaModel.compiled_rounds`); the algorithm (generate.py, draft.py, round_steps.py) never imports this module.
 
 A runner of passes or of the head's steps, whatever its backend, answers the same calls:
 - `takes(cache, rows, at)`: whether it runs a pass of `rows` rows written at position `at` of `cache` (else the
