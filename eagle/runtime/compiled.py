@@ -271,6 +271,19 @@ def static_rows(*tensors_and_dims) -> None:
         torch._dynamo.mark_static(t, dim)
 
 
+def timed_buckets(buckets, passes, log=None, line=None) -> dict[int, float]:
+    """Seconds of `passes(rows)` (what compiles or captures that bucket's graphs) for each of `buckets`; after each,
+    `line(rows, seconds)` said in `log`."""
+    seconds = {}
+    for rows in buckets:
+        t0 = time.perf_counter()
+        passes(rows)
+        seconds[rows] = time.perf_counter() - t0
+        if log:
+            log(line(rows, seconds[rows]))
+    return seconds
+
+
 def fresh(t: torch.Tensor) -> torch.Tensor:
     """A row-major copy: a slice of a longer tensor keeps its strides, and strides are guarded (a recompile)."""
     return t.new_empty(t.shape).copy_(t)
@@ -325,7 +338,7 @@ class CompiledDecode(BucketRunner):
 
     def warm(self, log=None, context: int = 64, rows: list[int] | None = None) -> dict[int, float]:
         """Compile every bucket (or those in `rows`) now, a forward over dummy tokens; returns seconds per bucket."""
-        seconds, only = {}, rows
+        only = rows
         with torch.inference_mode():
             # room beyond the largest bucket, as every cache of a generation has (BaseModel.new_cache): a pass that
             # fills its cache exactly would be traced with the cache's size tied to its length, a graph of its own
@@ -334,16 +347,14 @@ class CompiledDecode(BucketRunner):
             # eager, with features: transformers installs its hidden-state hooks on first use (a graph break if
             # that happened inside the graph)
             self.base.forward(ids, torch.arange(context)[None], cache, features=True, last_logits_only=True)
-            for rows in self.buckets if only is None else only:
-                t0 = time.perf_counter()
+
+            def passes(rows: int) -> None:
                 ids = torch.zeros(1, rows, dtype=torch.long)
                 positions = torch.arange(context, context + rows)[None]
                 allowed = torch.ones(rows, context + rows, dtype=torch.bool).tril(context)
                 # the vanilla step (1 row) needs no features, a verify pass (more rows) does
                 self.run(ids, positions, additive_mask(allowed, self.base.dtype), cache, features=rows > 1)
                 cache.crop_to(context)
-                seconds[rows] = time.perf_counter() - t0
-                if log:
-                    log(f"compiled the {rows}-row forward in {seconds[rows]:.1f} s "
-                        f"(linears: {self.graphs.linears(rows)})")  # fmt: skip
-        return seconds
+
+            return timed_buckets(self.buckets if only is None else only, passes, log, lambda n, s: (
+                f"compiled the {n}-row forward in {s:.1f} s (linears: {self.graphs.linears(n)})"))  # fmt: skip

@@ -12,14 +12,13 @@ are overwritten before anything reads them). More rows than the largest bucket (
 
 from __future__ import annotations
 
-import time
 
 import torch
 
 from eagle.kernels import few_rows
 from eagle.models.masks import additive_mask
 
-from .compiled import BucketGraphs, BucketRunner, fresh, pad_rows, static_rows
+from .compiled import BucketGraphs, BucketRunner, fresh, pad_rows, static_rows, timed_buckets
 
 DRAFT_BUCKETS = (1, 2, 4, 8)
 
@@ -62,16 +61,15 @@ class CompiledDraft(BucketRunner):
         seconds per bucket."""
         head = self.step.head
         dtype, H = head.fc.weight.dtype, head.config.hidden_size
-        seconds, only = {}, rows
+        only = rows
         with torch.inference_mode():  # the cache too: a tensor made outside it has other dispatch keys (a guard)
             cache = head.new_cache(context + 2 * max(self.buckets))
-            for rows in self.buckets if only is None else only:
-                t0 = time.perf_counter()
+
+            def passes(rows: int) -> None:
                 allowed = torch.ones(rows, context + rows, dtype=torch.bool).tril(context)
                 self.run(torch.zeros(1, rows, H, dtype=dtype), torch.zeros(1, rows, dtype=torch.long),
                          torch.arange(context, context + rows)[None], additive_mask(allowed, dtype), cache, context)  # fmt: skip
-                seconds[rows] = time.perf_counter() - t0
-                if log:
-                    log(f"compiled the {rows}-row draft step ({head.dtype_name}) in {seconds[rows]:.1f} s "
-                        f"(linears: {self.graphs.linears(rows)})")  # fmt: skip
-        return seconds
+
+            return timed_buckets(self.buckets if only is None else only, passes, log, lambda n, s: (
+                f"compiled the {n}-row draft step ({head.dtype_name}) in {s:.1f} s "
+                f"(linears: {self.graphs.linears(n)})"))  # fmt: skip

@@ -24,14 +24,13 @@ from __future__ import annotations
 
 import functools
 import threading
-import time
 
 import torch
 
 from eagle.models.kv_cache import TreeKVCache
 from eagle.models.masks import additive_mask, widened
 
-from .compiled import RECOMPILE_LIMIT, bucket_for, pad_rows
+from .compiled import RECOMPILE_LIMIT, bucket_for, pad_rows, timed_buckets
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # base rows: the vanilla step, then trees up to 64 nodes (a GPU verifies flat)
 DRAFT_BUCKETS = (1, 2, 4, 8, 16, 32)  # draft rows: a level's width (top_k), a round's commit (depth + 1)
@@ -144,14 +143,8 @@ class GraphedRunner(LeasedCache):
 
     def capture_buckets(self, what: str, passes, log=None) -> dict[int, float]:
         """`passes(rows)` (the passes that capture a bucket at every span) for each bucket; seconds per bucket."""
-        seconds = {}
-        for rows in self.buckets:
-            t0 = time.perf_counter()
-            passes(rows)
-            seconds[rows] = time.perf_counter() - t0
-            if log:
-                log(f"captured the {rows}-row {what} as CUDA graphs ({len(self.spans)} spans) in {seconds[rows]:.1f} s")
-        return seconds
+        return timed_buckets(self.buckets, passes, log, lambda rows, s: (
+            f"captured the {rows}-row {what} as CUDA graphs ({len(self.spans)} spans) in {s:.1f} s"))  # fmt: skip
 
 
 class GraphedDecode(GraphedRunner):
