@@ -7,7 +7,7 @@ import pytest
 import torch
 from host_reads import HostReads
 from lossless_checks import PROMPTS
-from tiny import random_draft, save_base, tiny_base
+from tiny import random_draft, tiny_base
 
 from eagle.decoding.draft import HeadStep
 from eagle.decoding.round_steps import TreeShape

@@ -6,7 +6,7 @@ from tiny import tiny_base, tiny_tokenizer
 
 from eagle.train.benchmark_guard import BenchmarkGuard
 from eagle.train.dedupe import UniqueTexts, keep_unique, signature
-from eagle.train.magpie import Written, filter_prompts, topic_system, user_turn_prefix, why_junk, write_prompts
+from eagle.train.magpie import Written, filter_prompts, user_turn_prefix, why_junk, write_prompts
 from eagle.train.masks import HFTemplate
 
 CHAT = "{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} </s> {% endfor %}"

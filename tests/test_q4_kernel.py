@@ -96,20 +96,23 @@ def test_a_row_alone_equals_the_same_row_among_8_or_16(qtype, bits):
 @needs_kernel
 @pytest.mark.parametrize("qtype, bits", ROUNDINGS)
 def test_every_tiling_gives_the_same_bits(qtype, bits):
-    """The tiling a machine measures fastest (which panels a tile covers, how far ahead it prefetches) is speed only:
-    no output changes with it, so greedy tokens never depend on where the tuner ran."""
+    """The tiling a machine measures fastest (which panels a tile covers, how far ahead it prefetches, whether a
+    streamed weight is prefetched non-temporally) is speed only: no output changes with it, so greedy tokens never
+    depend on where the tuner ran."""
     n, k = 4 * quant_panels.width() + 7, 192  # five panels, the last partial: wide tiles over pairs and a lone one
     panels = quant_panels.pack(qtype, random_blocks(qtype, n, k))
-    tilings = [*quant_panels.tilings(), quant_panels.Tiling(1, 0)]
+    tilings = [*quant_panels.tilings(), quant_panels.Tiling(1, 0), quant_panels.Tiling(1, 0, True)]
+    assert any(t.stream_nta for t in quant_panels.tilings())  # the tuner times both kinds of prefetch
     for rows in (1, 2, 3, 8, 16):
         x = torch.randn(rows, k)
         outs = []
         for t in tilings:
             with quant_panels.tiled(t):
                 assert quant_panels.tiling() == t
-                outs.append(quant_panels.linear(x, panels, None, n, qtype, bits))
-        for t, out in zip(tilings[1:], outs[1:]):
-            assert torch.equal(out, outs[0]), f"{t} changed the result of {rows} rows"
+                for streamed in (False, True):
+                    outs.append((t, streamed, quant_panels.linear(x, panels, None, n, qtype, bits, streamed=streamed)))
+        for t, streamed, out in outs[1:]:
+            assert torch.equal(out, outs[0][2]), f"{t} (streamed {streamed}) changed the result of {rows} rows"
 
 
 @needs_kernel

@@ -79,7 +79,9 @@ def test_loading_puts_the_tiling_measured_fastest_here_in_force_measured_once(tm
             assert few_rows.reads_gguf_blocks(model.base_model)
             assert quant_panels.tiling() == fastest
             assert forwards_description(model).endswith(
-                f"GGUF blocks in wide tiles up to {fastest.wide_rows} rows, prefetch {fastest.prefetch // 1024} KB")
+                f"GGUF blocks in wide tiles up to {fastest.wide_rows} rows, prefetch {fastest.prefetch // 1024} KB"
+                " (the base's past the caches)")
+            assert fastest.stream_nta
             assert set(timed) == (set(quant_panels.tilings()) if load == 0 else set())
             timed.clear()
         quant_panels.set_tiling(quant_panels.default_tiling())
@@ -158,6 +160,34 @@ def test_a_traced_graph_calls_the_quantized_kernel_on_the_siblings_panels(tmp_pa
     # gate and up make the same call on their shared panels (freezing keeps one), down its own
     assert targets.count(torch.ops.eagle.quant_panel_linear) == 3
     assert torch.ops.eagle.panel_linear not in targets
+
+
+@needs_kernel
+def test_a_base_read_from_its_gguf_streams_its_weights_and_a_quantized_head_keeps_its_own(tmp_path):
+    """A base's pass reads each weight once and outgrows the caches before reading it again, so its GGUF blocks go to
+    the kernel as `streamed` (prefetched past the caches where the tiling says so); a draft head's weights are read
+    again within the round, so its Q4_1 blocks are not: what the graphs pass to the operator."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    base = quantized_tiny_base(tmp_path / "tiny.gguf", layers=1)
+    few_rows.install(base)
+    config, state = read_checkpoint(random_draft(base, str(tmp_path / "draft")))
+    head = load_head(base, config, state)
+    assert few_rows.quantize(head) > 0
+    head_layer = next(m for m in head.modules() if type(m) is few_rows.FewRowLinear and m.gguf is not None)
+
+    def streamed_flags(fn, x) -> set:
+        torch._dynamo.reset()
+        counter = CompileCounterWithBackend("eager")
+        with torch.no_grad():
+            torch.compile(fn, backend=counter, fullgraph=True)(x)
+        calls = [n for g in counter.graphs for n in g.graph.nodes if n.target == torch.ops.eagle.quant_panel_linear]
+        assert calls
+        return {n.args[6] if len(n.args) > 6 else n.kwargs.get("streamed", False) for n in calls}
+
+    assert streamed_flags(base.model.layers[0].mlp, torch.randn(1, 4, 64)) == {True}
+    assert streamed_flags(base.lm_head, torch.randn(1, 4, 64)) == {True}
+    assert streamed_flags(head_layer, torch.randn(1, 4, head_layer.in_features)) == {False}
 
 
 @needs_kernel

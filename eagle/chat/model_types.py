@@ -258,6 +258,7 @@ def forwards_description(model) -> str:
     if few_rows.reads_gguf_blocks(model.base_model):  # the tiling measured here (tuner.panel_tiling)
         t = quant_panels.tiling()
         text += f"; GGUF blocks in wide tiles up to {t.wide_rows} rows, prefetch {t.prefetch // 1024} KB"
+        text += " (the base's past the caches)" if t.stream_nta else ""
     return text
 
 

@@ -80,7 +80,9 @@ class FewRowLinear(nn.Linear):
 
     `plan` (rows -> kernel, shared by the layers of one model), `packed` (the MKL-packed weight, or None),
     `panels` (the panel kernel's copy, or None), `gguf` ((GGML type, the weight's GGUF blocks) whose panels the
-    panel kernel reads instead of float32 ones, or None) and `siblings` (see `Siblings`, or None) are plain attributes:
+    panel kernel reads instead of float32 ones, or None), `siblings` (see `Siblings`, or None) and `streamed` (the
+    blocks come from the base's file: the rest of a pass evicts them before they are read again, `install`) are plain
+    attributes:
     parameters and state dict keys stay nn.Linear's. In a compiled graph (compiled.py; the rows are static there)
     rows the plan gives to "panel" call the panel kernel and any other rows F.linear, whether or not
     `few_row_kernels()` was entered."""
@@ -90,6 +92,7 @@ class FewRowLinear(nn.Linear):
     panels: torch.Tensor | None
     gguf: tuple[int, torch.Tensor] | None
     siblings: "Siblings | None"
+    streamed: bool
 
     @property
     def reads_gguf(self) -> bool:
@@ -115,9 +118,9 @@ class FewRowLinear(nn.Linear):
             if siblings is not None and compiling:
                 # the siblings' product, this layer's columns of it: every sibling makes the same call on the same
                 # input, and freezing's common-subexpression pass leaves one (the graph's linears 7 -> 4 a layer)
-                out = _panel_linear(x, siblings.panels, siblings.bias, siblings.out_features, gguf)
+                out = _panel_linear(x, siblings.panels, siblings.bias, siblings.out_features, gguf, self.streamed)
                 return out[..., siblings.start : siblings.start + self.out_features]
-            return _panel_linear(x, copy, self.bias, self.out_features, gguf)
+            return _panel_linear(x, copy, self.bias, self.out_features, gguf, self.streamed)
         flat = x.reshape(rows, x.shape[-1])  # [rows, in]
         if kernel == "packed":
             pad = flat.new_zeros(PACKED_ROWS - rows, flat.shape[1])
@@ -134,11 +137,11 @@ class FewRowLinear(nn.Linear):
         return out.contiguous().reshape(*x.shape[:-1], self.out_features)
 
 
-def _panel_linear(x, panels, bias, out_features: int, gguf) -> torch.Tensor:
+def _panel_linear(x, panels, bias, out_features: int, gguf, streamed: bool) -> torch.Tensor:
     """The panel kernel on float32 panels (gguf None) or on the GGUF blocks' panels (gguf: (GGML type, blocks))."""
     if gguf is None:
         return torch.ops.eagle.panel_linear(x, panels, bias, out_features)
-    return quant_panels.linear(x, panels, bias, out_features, gguf[0])
+    return quant_panels.linear(x, panels, bias, out_features, gguf[0], streamed=streamed)
 
 
 class Siblings(NamedTuple):
@@ -166,21 +169,22 @@ def install(model: nn.Module, plan: dict[int, str] | None = None) -> int:
     module that still holds its weight copies.
 
     Where the model's config names a GGUF (quant_gguf.CONFIG_KEY) and the panel kernel runs here, the layers the
-    file keeps as Q4_1 or Q8_0 get those blocks (`gguf`); raises quant_gguf.GgufMismatch if they are not exactly
-    the layers' weights."""
+    file keeps as Q4_1 or Q8_0 get those blocks (`gguf`) and are `streamed` (a base's pass reads its weights once,
+    which outgrow the caches); raises quant_gguf.GgufMismatch if they are not exactly the layers' weights."""
     n, layers = 0, {}
     for name, module in model.named_modules():
         w = module.weight if type(module) is nn.Linear else None
         if w is not None and w.device.type == "cpu" and w.dtype == torch.float32:
             module.__class__ = FewRowLinear
             module.packed = module.panels = module.siblings = module.gguf = None
+            module.streamed = False
             layers[name] = module
             n += 1
     gguf = quant_gguf.gguf_path_of(model)
     if n and gguf is not None and panel_kernel.available():
         for name, blocks in quant_gguf.cached_blocks_for(model, gguf).items():
             if name in layers:
-                layers[name].gguf = blocks
+                layers[name].gguf, layers[name].streamed = blocks, True
     if n:
         quantized = any(layer.gguf is not None for layer in layers.values())
         set_plan(model, plan if plan is not None else uniform_plan("panel") if quantized else DEFAULT_PLAN)
@@ -207,6 +211,7 @@ def quantize(model: nn.Module, qtype: int = quant_panels.Q4_1) -> int:
         blocks = torch.from_numpy(quantized).reshape(layer.out_features, -1)  # [N, K / 32 * bytes per block]
         layer.weight.copy_(quant_panels.dequantize(qtype, blocks))
         layer.gguf, layer.panels, layer.siblings = (qtype, blocks), None, None
+        layer.streamed = False  # a head's weights are read again within the round: kept in cache
         n += 1
     if n:
         set_plan(model, uniform_plan("panel"))
@@ -335,7 +340,7 @@ def uninstall(model: nn.Module) -> int:
     n = 0
     for module in _layers(model):
         module.__class__ = nn.Linear
-        del module.plan, module.packed, module.panels, module.siblings, module.gguf
+        del module.plan, module.packed, module.panels, module.siblings, module.gguf, module.streamed
         n += 1
     row_attention.uninstall(model)
     return n

@@ -143,7 +143,7 @@ def _panel_linear_shape(x, panels, bias, out_features):
     return x.new_empty(*x.shape[:-1], out_features)
 
 
-def _quant_panel_linear_shape(x, panels, bias, out_features, qtype, input_bits=8):
+def _quant_panel_linear_shape(x, panels, bias, out_features, qtype, input_bits=8, streamed=False):
     return x.new_empty(*x.shape[:-1], out_features)
 
 

@@ -1,7 +1,9 @@
-// eagle::quant_panel_linear(x, panels, bias, out_features, qtype, input_bits): out[..., N] = x[..., K] . W[N, K]^T
-// (+ bias) in float32, for the 1 to 16 rows of a decode step or a tree verification, with W kept in its GGUF blocks
-// (Q4_1 or Q8_0, 32 weights a block) and multiplied as integers; built with panel_linear.cpp into one library
-// (eagle/kernels/panel_kernel.py), packed by eagle/kernels/quant_panels.py.
+// eagle::quant_panel_linear(x, panels, bias, out_features, qtype, input_bits, streamed):
+// out[..., N] = x[..., K] . W[N, K]^T (+ bias) in float32, for the 1 to 16 rows of a decode step or a tree
+// verification, with W kept in its GGUF blocks (Q4_1 or Q8_0, 32 weights a block) and multiplied as integers; built
+// with panel_linear.cpp into one library (eagle/kernels/panel_kernel.py), packed by eagle/kernels/quant_panels.py.
+// `streamed` marks a weight that a whole pass of its model evicts before it is read again (a base's; see the
+// tiling's stream_nta below).
 //
 // Arithmetic, per row m and GGUF block b (32 consecutive k) of column j, with L = 32767 (input_bits 16, Q4_1 only) or
 // 127 (input_bits 8: llama.cpp's Q4_1 x Q8_1 and Q8_0 x Q8_0 products):
@@ -200,10 +202,13 @@ constexpr int64_t block_bytes(int64_t qtype) { return qtype == Q4_1 ? 20 * NB : 
 // How the tiles cover the panels: wide tiles (NV_WIDE vectors of columns) for calls of up to `wide_rows` rows (0 to
 // WIDE_MR; tiles of more rows take one panel), and how far ahead (bytes) a tile prefetches its panels' blocks into L1
 // at each block (the hardware prefetcher alone left one row streaming below the machine's bandwidth; a prefetch past
-// the end never faults). Speed only: a column's sums are the same operations in the same order whatever the tiling.
-// Set once per process from a measurement on the machine (eagle/tuning/tuner.py, panel_tiling); these defaults until
-// then.
+// the end never faults), and whether a streamed weight's blocks (a call with `streamed`: a base's, whose whole pass
+// outgrows the caches before the weight is read again) are prefetched non-temporally, so that they displace less of
+// what is reused (the KV cache, a draft head's weights). Speed only: a column's sums are the same operations in the
+// same order whatever the tiling. Set once per process from a measurement on the machine (eagle/tuning/tuner.py,
+// panel_tiling); these defaults until then.
 std::atomic<int64_t> g_wide_rows{WIDE_MR}, g_prefetch{16384};
+std::atomic<bool> g_stream_nta{false};
 
 // The 8-bit products of a weight type over a group (two words of four bytes a lane): dot8x2 for Q4_1's nibbles
 // (<= 15; the block's sum widened by widen8), dot8u for Q8_0's bytes (any value)
@@ -232,6 +237,7 @@ struct Inputs {
   int64_t K;
   int64_t stride;    // rows between one block's inputs and the next's (M)
   int64_t prefetch;  // bytes ahead (the tiling's)
+  bool nta;          // prefetch without temporal locality (a streamed weight, where the tiling says so)
 };
 
 // x [M, K] float32 -> xq (int16, or int8 in PERM8's order), s, sx, xsum, block-major (Inputs; see the file's head):
@@ -265,7 +271,11 @@ void tile(const Inputs& in, const uint8_t* panel, int64_t pstride, float* out, i
     for (int v = 0; v < NV; v++) acc[m][v] = zero();
   for (int64_t b = 0; b < nblocks; b++) {
     for (int p = 0; p < NP; p++)
-      for (int64_t i = 0; i < BS; i += 64) __builtin_prefetch(panel + p * pstride + b * BS + in.prefetch + i, 0, 3);
+      for (int64_t i = 0; i < BS; i += 64) {
+        const uint8_t* ahead = panel + p * pstride + b * BS + in.prefetch + i;
+        if (in.nta) __builtin_prefetch(ahead, 0, 0);
+        else __builtin_prefetch(ahead, 0, 3);
+      }
     const uint8_t* blk[NV];  // the block of vector v's panel, and the vector's offset in it (columns)
     int col[NV];
     for (int v = 0; v < NV; v++) blk[v] = panel + ((h0 + v) / 2) * pstride + b * BS, col[v] = ((h0 + v) % 2) * VL;
@@ -364,7 +374,7 @@ void run(const Inputs& in, int64_t M, const uint8_t* wp, int64_t P, int64_t N, c
         const int nv = std::min(nv_for(rows), 2 * np);  // vectors of columns a tile covers
         const TileFn fn = tile_of<QT, XB>(rows, nv);
         const Inputs rows_in{XB == 16 ? in.xq + m0 * QK : nullptr, XB == 8 ? in.xq8 + m0 * QK : nullptr,
-                             in.s + m0, in.sx + m0, in.xsum + m0, in.K, in.stride, in.prefetch};
+                             in.s + m0, in.sx + m0, in.xsum + m0, in.K, in.stride, in.prefetch, in.nta};
         for (int h0 = 0; h0 < 2 * np && h0 * VL < pcols; h0 += nv)
           fn(rows_in, panel, pstride, op + m0 * N + p * NB + h0 * VL, N, bp ? bp + p * NB + h0 * VL : nullptr,
              std::min(nv * VL, pcols - h0 * VL), h0);
@@ -375,7 +385,7 @@ void run(const Inputs& in, int64_t M, const uint8_t* wp, int64_t P, int64_t N, c
 }
 
 at::Tensor quant_panel_linear(const at::Tensor& x, const at::Tensor& panels, const std::optional<at::Tensor>& bias,
-                              int64_t out_features, int64_t qtype, int64_t input_bits) {
+                              int64_t out_features, int64_t qtype, int64_t input_bits, bool streamed) {
   TORCH_CHECK(qtype == Q4_1 || qtype == Q8_0, "eagle::quant_panel_linear: qtype ", qtype,
               " is not Q4_1 (3) or Q8_0 (8)");
   TORCH_CHECK(input_bits == 8 || (input_bits == 16 && qtype == Q4_1), "eagle::quant_panel_linear: input_bits ",
@@ -408,15 +418,16 @@ at::Tensor quant_panel_linear(const at::Tensor& x, const at::Tensor& panels, con
   const uint8_t* wp = wc.data_ptr<uint8_t>();
   float* op = out.data_ptr<float>();
   const int64_t prefetch = g_prefetch.load(std::memory_order_relaxed);
+  const bool nta = streamed && g_stream_nta.load(std::memory_order_relaxed);
   if (input_bits == 8) {
     std::vector<int8_t> xq(M * K);
     quantize_rows<8>(xc.data_ptr<float>(), M, K, xq.data(), s.data(), sx.data(), xsum.data());
-    const Inputs in{nullptr, xq.data(), s.data(), sx.data(), xsum.data(), K, M, prefetch};
+    const Inputs in{nullptr, xq.data(), s.data(), sx.data(), xsum.data(), K, M, prefetch, nta};
     (qtype == Q4_1 ? run<Q4_1, 8> : run<Q8_0, 8>)(in, M, wp, panels.size(0), N, bp, op);
   } else {
     std::vector<int16_t> xq(M * K);
     quantize_rows<16>(xc.data_ptr<float>(), M, K, xq.data(), s.data(), sx.data(), xsum.data());
-    const Inputs in{xq.data(), nullptr, s.data(), sx.data(), xsum.data(), K, M, prefetch};
+    const Inputs in{xq.data(), nullptr, s.data(), sx.data(), xsum.data(), K, M, prefetch, nta};
     run<Q4_1, 16>(in, M, wp, panels.size(0), N, bp, op);
   }
   return out;
@@ -424,24 +435,24 @@ at::Tensor quant_panel_linear(const at::Tensor& x, const at::Tensor& panels, con
 
 int64_t quant_panel_width() { return NB; }
 
-void quant_panel_set_tiling(int64_t wide_rows, int64_t prefetch) {
+void quant_panel_set_tiling(int64_t wide_rows, int64_t prefetch, bool stream_nta) {
   TORCH_CHECK(wide_rows >= 0 && wide_rows <= WIDE_MR, "eagle::quant_panel_set_tiling: wide_rows must be 0 to ",
               WIDE_MR, " in this build, got ", wide_rows);
   TORCH_CHECK(prefetch >= 0 && prefetch % 64 == 0 && prefetch <= (1 << 20),
               "eagle::quant_panel_set_tiling: prefetch must be a multiple of 64 bytes in [0, 1 MiB], got ", prefetch);
-  g_wide_rows.store(wide_rows), g_prefetch.store(prefetch);
+  g_wide_rows.store(wide_rows), g_prefetch.store(prefetch), g_stream_nta.store(stream_nta);
 }
 
-std::vector<int64_t> quant_panel_tiling() { return {g_wide_rows.load(), g_prefetch.load()}; }
+std::vector<int64_t> quant_panel_tiling() { return {g_wide_rows.load(), g_prefetch.load(), g_stream_nta.load()}; }
 
 int64_t quant_panel_wide_rows() { return WIDE_MR; }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(eagle, m) {
-  m.def("quant_panel_linear(Tensor x, Tensor panels, Tensor? bias, int out_features, int qtype, int input_bits=8) -> Tensor");
+  m.def("quant_panel_linear(Tensor x, Tensor panels, Tensor? bias, int out_features, int qtype, int input_bits=8, bool streamed=False) -> Tensor");
   m.def("quant_panel_width() -> int");
-  m.def("quant_panel_set_tiling(int wide_rows, int prefetch) -> ()");
+  m.def("quant_panel_set_tiling(int wide_rows, int prefetch, bool stream_nta=False) -> ()");
   m.def("quant_panel_tiling() -> int[]");
   m.def("quant_panel_wide_rows() -> int");
 }

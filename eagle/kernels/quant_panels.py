@@ -33,6 +33,9 @@ class Tiling(NamedTuple):
 
     wide_rows: int  # calls of up to this many rows (0 to wide_rows()) take wide tiles (AVX-512: two panels, AVX2: one)
     prefetch: int  # bytes ahead of a tile's block that it prefetches into L1 (a multiple of 64)
+    # a streamed weight's blocks (`linear(..., streamed=True)`: a base's) prefetched non-temporally, so that a pass
+    # displaces less of what the next call reuses (the KV cache, a draft head's weights)
+    stream_nta: bool = False
 
 
 def wide_rows() -> int:
@@ -43,24 +46,25 @@ def wide_rows() -> int:
 
 def default_tiling() -> Tiling:
     """The tiling of a process that has measured none: wide tiles wherever the build has them."""
-    return Tiling(wide_rows(), 16384)
+    return Tiling(wide_rows(), 16384, False)
 
 
 def tilings() -> tuple[Tiling, ...]:
     """What the tuner times on a machine (tuner.panel_tiling), the default first: which is fastest differs between
     CPUs and memory systems."""
-    default = default_tiling()
-    return (default, Tiling(0, 16384), Tiling(default.wide_rows, 4096), Tiling(0, 4096))
+    wide = default_tiling().wide_rows
+    return tuple(Tiling(w, ahead, nta) for nta in (False, True) for ahead in (16384, 4096) for w in (wide, 0))
 
 
 def tiling() -> Tiling:
     """The tiling in force in this process: needs panel_kernel.available()."""
-    return Tiling(*torch.ops.eagle.quant_panel_tiling())
+    wide, ahead, nta = torch.ops.eagle.quant_panel_tiling()
+    return Tiling(wide, ahead, bool(nta))
 
 
 def set_tiling(t: Tiling) -> None:
     """Process-wide; takes effect at the next call (compiled graphs included)."""
-    torch.ops.eagle.quant_panel_set_tiling(t.wide_rows, t.prefetch)
+    torch.ops.eagle.quant_panel_set_tiling(t.wide_rows, t.prefetch, t.stream_nta)
 
 
 @contextlib.contextmanager
@@ -134,8 +138,9 @@ def pack(qtype: int, blocks: torch.Tensor, nb: int | None = None) -> torch.Tenso
 
 
 def linear(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, out_features: int, qtype: int,
-           input_bits: int | None = None):
+           input_bits: int | None = None, streamed: bool = False):
     """x [..., K] float32 -> [..., N]: the operator on packed panels, the inputs rounded to `input_bits` (default:
-    INPUT_BITS[qtype])."""
+    INPUT_BITS[qtype]). streamed: the weight is evicted by the rest of its model's pass before it is read again (a
+    base's), so its blocks may be prefetched past the caches (Tiling.stream_nta); speed only."""
     bits = input_bits or INPUT_BITS.get(qtype, 16)  # an unknown qtype: the operator says which it takes
-    return torch.ops.eagle.quant_panel_linear(x, panels, bias, out_features, qtype, bits)
+    return torch.ops.eagle.quant_panel_linear(x, panels, bias, out_features, qtype, bits, streamed)

@@ -213,11 +213,15 @@ def panel_tiling(model, log=None) -> quant_panels.Tiling:
             saved = {"tiling": list(best), "ms": [[list(t), {str(n): v for n, v in ms[t].items()}] for t in ms]}
             cost_cache.save(path, saved)
             if log:
-                log("panel kernel tilings (wide tiles up to rows, prefetch bytes), ms per base forward over "
-                    + "/".join(map(str, TILING_ROWS)) + " rows: "
-                    + "; ".join(f"{t.wide_rows}, {t.prefetch}: " + "/".join(f"{v:.1f}" for v in ms[t].values())
-                                for t in ms) + f"; using {best.wide_rows}, {best.prefetch}")  # fmt: skip
+                log("panel kernel tilings (wide tiles up to rows, prefetch bytes, non-temporal), ms per base forward "
+                    + "over " + "/".join(map(str, TILING_ROWS)) + " rows: "
+                    + "; ".join(f"{_tiling_name(t)}: " + "/".join(f"{v:.1f}" for v in ms[t].values())
+                                for t in ms) + f"; using {_tiling_name(best)}")  # fmt: skip
     return quant_panels.Tiling(*saved["tiling"])
+
+
+def _tiling_name(t: quant_panels.Tiling) -> str:
+    return f"{t.wide_rows}, {t.prefetch}" + (", nta" if t.stream_nta else "")
 
 
 def few_row_plan(model, log=None) -> dict[int, str]:
