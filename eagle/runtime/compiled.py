@@ -338,7 +338,7 @@ class CompiledDecode(BucketRunner):
 
     def warm(self, log=None, context: int = 64, rows: list[int] | None = None) -> dict[int, float]:
         """Compile every bucket (or those in `rows`) now, a forward over dummy tokens; returns seconds per bucket."""
-        only = rows
+        buckets = self.buckets if rows is None else rows
         with torch.inference_mode():
             # room beyond the largest bucket, as every cache of a generation has (BaseModel.new_cache): a pass that
             # fills its cache exactly would be traced with the cache's size tied to its length, a graph of its own
@@ -356,5 +356,5 @@ class CompiledDecode(BucketRunner):
                 self.run(ids, positions, additive_mask(allowed, self.base.dtype), cache, features=rows > 1)
                 cache.crop_to(context)
 
-            return timed_buckets(self.buckets if only is None else only, passes, log, lambda n, s: (
+            return timed_buckets(buckets, passes, log, lambda n, s: (
                 f"compiled the {n}-row forward in {s:.1f} s (linears: {self.graphs.linears(n)})"))  # fmt: skip

@@ -12,7 +12,6 @@ are overwritten before anything reads them). More rows than the largest bucket (
 
 from __future__ import annotations
 
-
 import torch
 
 from eagle.kernels import few_rows
@@ -61,7 +60,7 @@ class CompiledDraft(BucketRunner):
         seconds per bucket."""
         head = self.step.head
         dtype, H = head.fc.weight.dtype, head.config.hidden_size
-        only = rows
+        buckets = self.buckets if rows is None else rows
         with torch.inference_mode():  # the cache too: a tensor made outside it has other dispatch keys (a guard)
             cache = head.new_cache(context + 2 * max(self.buckets))
 
@@ -70,6 +69,6 @@ class CompiledDraft(BucketRunner):
                 self.run(torch.zeros(1, rows, H, dtype=dtype), torch.zeros(1, rows, dtype=torch.long),
                          torch.arange(context, context + rows)[None], additive_mask(allowed, dtype), cache, context)  # fmt: skip
 
-            return timed_buckets(self.buckets if only is None else only, passes, log, lambda n, s: (
+            return timed_buckets(buckets, passes, log, lambda n, s: (
                 f"compiled the {n}-row draft step ({head.dtype_name}) in {s:.1f} s "
                 f"(linears: {self.graphs.linears(n)})"))  # fmt: skip
