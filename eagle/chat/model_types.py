@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from eagle.models.checkpoint import WEIGHT_FILES
+from eagle.runtime.config import COMPILE_MODES  # noqa: F401 - the tools' --compile choices, named here with the rest
 
 from .templates import LLAMA2_SYSTEM_PROMPT
 
@@ -61,7 +62,6 @@ MODEL_TYPES: dict[str, ModelType] = {
 }  # fmt: skip
 ALIASES = {"llama-3-instruct": "llama3", "llama-2-chat": "llama2", "llama-3.1-instruct": "llama3.1"}
 DTYPES = ("auto", "float32", "float16", "bfloat16")
-COMPILE_MODES = ("auto", "on", "off", "inductor")  # EaModel.from_pretrained(compile=...), eagle/runtime/compiled.py
 # The base's weights on CPU: fp32, or q4_1 = a GGUF's own blocks (Q4_1, and Q8_0 where the file has it) read by the
 # panel kernel (eagle/kernels/quant_gguf.py); auto = q4_1 for the embedded default converted from its GGUF on a CPU
 # in float32, else fp32.

@@ -483,10 +483,7 @@ def measure(name: str, device: torch.device, args, save=lambda r: None) -> dict:
     if name in args.hf_compile:  # last: its first call compiles for a minute or more
         stage("hf_generate_static_compiled", lambda: hf_tokens_per_s(base, ids, args.new_tokens,
                                                                       cache_implementation="static"))
-    del model, base
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-    return r
+    return r  # the model goes with this frame: the caller empties CUDA's cache before the next base
 
 
 def project(r: dict) -> None:
@@ -567,6 +564,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
     for name in args.bases.split(","):
         results.append(measure(name, device, args, save))
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
     print(table(results))
     return results
 
