@@ -8,9 +8,10 @@ that uses the model runs in one queue group ("model", one at a time).
 from __future__ import annotations
 
 import html
-from pathlib import Path
 
 import gradio as gr
+
+from eagle.shipped import ASSETS
 
 from .handlers import make_handlers, new_state, summary_html
 from .highlight import LEGEND_HTML, PLAIN_LABELS_JS
@@ -18,7 +19,6 @@ from .race import SPEEDS as RACE_SPEEDS
 from .session import MAX_NEW_TOKENS_LIMIT
 from .stats import figures_html
 
-ASSETS = Path(__file__).resolve().parent.parent / "assets"
 MODEL_GROUP = "model"
 MODEL_PANEL_EVERY_S = 3.0
 SAVED_KEY = "eagle-chat"  # the browser's local storage key of the saved conversation

@@ -16,11 +16,12 @@ from pathlib import Path
 
 from eagle.models.checkpoint import WEIGHT_FILES
 from eagle.runtime.config import COMPILE_MODES  # noqa: F401 - the tools' --compile choices, named here with the rest
+from eagle.shipped import ASSETS
 
 from .templates import LLAMA2_SYSTEM_PROMPT
 
 ROOT = Path(__file__).resolve().parents[2]
-DEFAULT_HEAD_DIR = ROOT / "assets" / "smollm2-eagle3"
+DEFAULT_HEAD_DIR = ASSETS / "smollm2-eagle3"
 
 
 @dataclass(frozen=True)

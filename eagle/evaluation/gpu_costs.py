@@ -26,8 +26,8 @@ from types import SimpleNamespace
 import torch
 
 from eagle.runtime.cuda_graphs import CAPACITY  # positions of the graphs' caches: a timed context + its rows fit
+from eagle.shipped import ASSETS
 
-ASSETS = Path(__file__).resolve().parents[2] / "assets"
 
 
 def llama3_rope(factor: float) -> dict:

@@ -30,9 +30,11 @@ import sys
 import time
 from pathlib import Path
 
+from eagle.shipped import ASSETS
+
 from .bundle import pack, unpack
 
-SHIPPED_HEAD = Path(__file__).resolve().parents[2] / "assets" / "smollm2-eagle3"
+SHIPPED_HEAD = ASSETS / "smollm2-eagle3"
 RECIPE = "recipe.json"  # the chunk plan's inputs and the chunks done, carried from lease to lease
 
 
