@@ -43,7 +43,7 @@ def parser() -> argparse.ArgumentParser:
                    help="the base's weights on CPU: auto (default) = q4_1 for the embedded default converted from its "
                    "GGUF, else fp32; q4_1 = the GGUF's own 4-bit blocks (and its 8-bit embedding) read by the panel "
                    "kernel, inputs rounded to 8 bits a block as llama.cpp does: vanilla and EAGLE both about 3x as "
-                   "fast as at fp32, EAGLE's lead over vanilla smaller there (BENCHMARKS.md); fp32 = the blocks "
+                   "fast as at fp32, EAGLE's lead over vanilla smaller there (docs/benchmarks.md); fp32 = the blocks "
                    "dequantized (the Model panel says which)")  # fmt: skip
     p.add_argument("--device-map", default=None, help="transformers device_map (default: auto on GPU, cpu)")
     p.add_argument("--compile", default="auto", choices=COMPILE_MODES,
@@ -201,7 +201,7 @@ def compile_spec(loaded):
     model, tree = loaded.model, loaded.model.tree
     panel = "panel" in few_rows.usable_kernels() and model.base.dtype == torch.float32
     # a large head in GGUF blocks (a sixth of the bytes a draft pass reads: its round draft step timed fastest here,
-    # BENCHMARKS.md), else the base's dtype where the panel kernel runs, else the head's own
+    # docs/benchmarks.md), else the base's dtype where the panel kernel runs, else the head's own
     quantized = quantized_head_pays(model.base.dtype, model.ea_layer)
     draft_dtype = (quant_panels.NAMES[QUANTIZED_HEAD] if quantized
                    else loaded.dtype if panel else model.ea_layer.dtype_name)  # fmt: skip

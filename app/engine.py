@@ -8,7 +8,7 @@ worker thread.
 `launch.py` hands its main thread to `serve_model_calls`: from then on every round runs on the main thread,
 which also loaded and warmed up the model, whichever Gradio worker thread asks for it. Once a second thread has
 run OpenMP work, libgomp's thread teams outnumber the cores and stop spin-waiting, and every parallel product
-pays a wake-up (BENCHMARKS.md, "The app's first and second start").
+pays a wake-up (docs/benchmarks.md, "The app's first and second start").
 
 Context drafts (copies of earlier text offered beside the head's drafts, eagle/decoding/context_draft.py) are asked
 for per reply when its settings want them and they keep the reply on the runner it has without them

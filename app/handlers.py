@@ -25,8 +25,8 @@ from .session import Settings, clean_text, compare, parse_history, respond
 from .stats import figures_html, shares_text
 
 # At most 4 page updates per second while streaming: each update costs the page and the server a share of the
-# cores the model needs, whatever the reply's length (measured by `python -m app.speed_check`; BENCHMARKS.md,
-# "App live speed vs the bench").
+# cores the model needs, whatever the reply's length (measured by `python -m app.speed_check`;
+# docs/history/2026-11-23-app-live-speed.md).
 UPDATE_EVERY_S = 0.25
 # The race after a side-by-side run plays at most 8 frames per second (it decodes nothing; each update costs the
 # page as above), and checks every 0.1 s whether a newer race or run has replaced it.

@@ -203,7 +203,7 @@ def _load_each(child, graphs, load, log, purpose: str = "") -> Iterator[Loading 
 # The first compiled rounds' tree where the tree is tuned (the head has an acceptance profile): the tree in use was
 # tuned on eager forwards, whose per-forward constant (the graphs take it away) favours big trees. Before any compiled
 # cost is known, the smallest tree: the root's best child, no expansion. Its verify pass of two rows costs about one
-# step wherever a one-row step streams the weights (the second row's products hide behind the stream, BENCHMARKS.md,
+# step wherever a one-row step streams the weights (the second row's products hide behind the stream: docs/history,
 # sessions 57 and 59), so it pays where rows are dear too; it serves until the tree tuned on the graphs' own costs
 # comes in (`tuned_rounds`).
 FIRST_TREE = (2, 1, 1)  # (total_token, depth, top_k)

@@ -1,7 +1,7 @@
 """The embedded default started fresh, as a new user meets it (minutes of CPU: marked slow): replies asked during the
 compile and after it decode at idle speed, every default speedup is against vanilla on the same forwards and close
 to the prompt's measured one, and the compiled rounds come in, decided on an idle machine. The times to compiled
-rounds are printed (BENCHMARKS.md, "The app's first and second start"), not asserted: they are the machine's."""
+rounds are printed (docs/benchmarks.md, "The app's first and second start"), not asserted: they are the machine's."""
 
 from __future__ import annotations
 
@@ -79,10 +79,10 @@ def check_pairs(client, forwards: str, per_reply: bool = True, medians: float = 
     many times, the median of those reruns. Each shown figure within 20% of it (`per_reply`), the shown figures'
     median within `medians`, and the reruns' vanilla at least `rerun` x the idle reference's. The measured side is a
     median because one rerun is a sample of the machine's speed as much as the shown figure is: on a 2-core VM the
-    same prompt's measured speedup moves by a fifth between reruns minutes apart (BENCHMARKS.md, "The 2-node tree's
-    round on a Zen 3; the first start again"), which says nothing of the figure the page showed. Looser while a
+    same prompt's measured speedup moves by a fifth between reruns minutes apart
+    (docs/history/2026-11-28-session-60-zen3-two-node-round.md), which says nothing of the figure the page showed. Looser while a
     compile is under way: then replies swing by a fifth to a third between runs seconds apart, EAGLE's as much as
-    vanilla's (BENCHMARKS.md, "A reply's speedup against vanilla timed beside it"), so one run's figure cannot match
+    vanilla's (docs/history/2026-11-27-session-47-reply-speedup-check.md), so one run's figure cannot match
     another run's that closely."""
     deadline = time.monotonic() + 300
     while not ask(client)["speedup"]:  # until a reply ends with a figure (its check on these forwards)

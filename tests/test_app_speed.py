@@ -7,7 +7,7 @@ the tool that measures it, `python -m app.speed_check`.
 - the tool's table (rates, ratios, same-text counts, a busy machine named), and the tool itself on a tiny model
   in headless Chromium (skipped without chromium / selenium).
 
-No speed figure is asserted here: BENCHMARKS.md has the measurement.
+No speed figure is asserted here: docs/benchmarks.md has the measurement.
 """
 
 from __future__ import annotations

@@ -102,7 +102,7 @@ def test_missing_extra_is_one_line_naming_the_install(monkeypatch, tmp_path, cap
                     "--methods", "hf,llama_cpp", "--out", str(tmp_path)])  # fmt: skip
     err = capsys.readouterr().err
     assert e.value.code == 2 and err.count("\n") == 1 and "Traceback" not in err
-    assert "pip install llama-cpp-python" in err and "README.md" in err
+    assert "pip install llama-cpp-python" in err and "docs/evaluation.md" in err
 
 
 def test_llama_cpp_f32_greedy_equals_hf_greedy(tiny, tmp_path):

@@ -11,7 +11,7 @@ PROMPTS = [
     "Give me a Python function that checks whether a number is prime.",
 ]
 NEW = 64
-# Below what the shipped head makes on these prompts and above what the head before it made (BENCHMARKS.md).
+# Below what the shipped head makes on these prompts and above what the head before it made (docs/benchmarks.md).
 MIN_TOKENS_PER_FORWARD = 2.25
 
 

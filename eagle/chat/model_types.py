@@ -36,7 +36,7 @@ class ModelType:
     # Default EAGLE-2 tree (total_token, depth, top_k): the reference's 60/7/10 suits GPUs, where verifying 60
     # tokens costs about one token; on a CPU the pass grows with the tree, so the CPU default is small.
     tree: tuple[int, int, int] = (60, 7, 10)
-    cpu_tree: tuple[int, int, int] = (4, 3, 3)  # CPU verify cost grows per row: small trees win (BENCHMARKS.md)
+    cpu_tree: tuple[int, int, int] = (4, 3, 3)  # CPU verify cost grows per row: small trees win (docs/benchmarks.md)
 
     def default_tree(self, cuda: bool) -> tuple[int, int, int]:
         return self.tree if cuda else self.cpu_tree

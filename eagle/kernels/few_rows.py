@@ -18,7 +18,7 @@ is memory bandwidth, and which kernel streams best depends on the CPU and the ro
   precision, `--weights q4_1`) has its GGUF blocks (`gguf`) and its panels made of them: a kernel of the same layout
   reading 4-bit (Q4_1) or 8-bit (Q8_0) blocks as integers, its inputs rounded to 8 bits a block (quant_linear.cpp,
   quant_panels.INPUT_BITS); such a model's plan defaults to "panel" for every row count.
-Their timings per CPU are in BENCHMARKS.md. A *plan* maps each row count to a kernel: `DEFAULT_PLAN` without a
+Their timings per CPU are in docs/benchmarks.md. A *plan* maps each row count to a kernel: `DEFAULT_PLAN` without a
 measurement, or the fastest kernel per row count as timed on this machine (`tuner.few_row_plan`). Rows beyond
 MAX_ROWS take F.linear, except in layers with GGUF blocks, which take their kernel at every row count (one
 arithmetic for prefill, steps and verify passes).

@@ -193,7 +193,7 @@ static inline int32_t round8(const float* xb, float inv, int8_t* out) {
   return isum8(_mm256_add_epi32(_mm256_add_epi32(c[0], c[1]), _mm256_add_epi32(c[2], c[3])));
 }
 constexpr int NV_WIDE = 2, NV_ONE = 1;  // one panel a wide tile, half of one otherwise
-constexpr int MR = 4;  // tiles of 8 rows spill the 16 registers (BENCHMARKS.md, the 4-bit section)
+constexpr int MR = 4;  // tiles of 8 rows spill the 16 registers (docs/history/2026-11-26-q4-1-16-bit-inputs-row-attention.md)
 constexpr int WIDE_MR = 4;  // a wide tile's float32 sums spill, touched once a block; its block sums stay in registers
 #endif
 constexpr int NB = 2 * VL;  // columns of a panel

@@ -21,7 +21,7 @@ BLOCK = 32  # weights per block
 BLOCK_BYTES = {Q4_1: 20, Q8_0: 34}  # bytes per block in the file
 # The inputs' rounding the engine uses per weight type, one arithmetic for every pass (batch invariance): 8-bit
 # inputs as llama.cpp's Q4_1 x Q8_1 and Q8_0 x Q8_0 products (four multiply-adds a lane per instruction where 16-bit
-# inputs give two; on the embedded default as faithful to the float32 model as llama.cpp, BENCHMARKS.md). Q4_1 also
+# inputs give two; on the embedded default as faithful to the float32 model as llama.cpp, docs/benchmarks.md). Q4_1 also
 # takes 16-bit inputs (the kernel's other arithmetic, for comparison); Q8_0 only 8-bit ones.
 INPUT_BITS = {Q4_1: 8, Q8_0: 8}
 # The order of a group of 8 k in which the kernel takes 8-bit inputs (quant_linear.cpp's PERM8): Q8_0's words match it

@@ -83,7 +83,7 @@ def compile_rounds(model, log, swap=None) -> bool | None:
 
 
 # a float32 head of at least this many bytes is also offered with its linears in GGUF blocks of QUANTIZED_HEAD's type
-# (smaller heads stay in the caches): Q4_1, 20 bytes per 32 weights, where Q8_0 reads 34 (BENCHMARKS.md compares them)
+# (smaller heads stay in the caches): Q4_1, 20 bytes per 32 weights, where Q8_0 reads 34 (docs/benchmarks.md compares them)
 QUANTIZED_HEAD_MIN_BYTES = 8 << 20
 QUANTIZED_HEAD = quant_panels.Q4_1
 
@@ -100,7 +100,7 @@ def quantized_head_pays(base_dtype: torch.dtype, head) -> bool:
 def _compiled_drafts(model, log) -> list[tuple]:
     """(head, its CompiledDraft) in the head's dtype and, where that is not the base's (a bfloat16 head under a
     float32 base, picked by eager timing), in the base's: compiled kernels rank the two otherwise than eager ones
-    (BENCHMARKS.md); and a float32 copy with QUANTIZED_HEAD blocks where `quantized_head_pays`. A head whose graphs
+    (docs/benchmarks.md); and a float32 copy with QUANTIZED_HEAD blocks where `quantized_head_pays`. A head whose graphs
     fail to compile is left out, with one line in `log`."""
     import copy
 

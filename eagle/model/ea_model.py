@@ -113,7 +113,7 @@ class EaModel(nn.Module):
         "on" = the vanilla step and verify passes as compiled graphs (minutes the first time on a small CPU;
         eager if compiling fails, said through `log`), "off", or "auto" = on where a start with "on" measured
         them faster on this machine; on CUDA "on" captures CUDA graphs of the eager kernels (seconds), "inductor"
-        of inductor's fused ones (minutes the first time; faster steps, BENCHMARKS.md). `log` (a print-like
+        of inductor's fused ones (minutes the first time; faster steps, docs/benchmarks.md). `log` (a print-like
         function) hears about measurements and compiling."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -27,7 +27,7 @@ frozen weights, so a later start skips lowering, autotuning and the C++ build an
 `freeze_without_mkl_packing` (a graph holding MKL's packed weights, mkldnn tensors, is never cached), and each entry
 is keyed on the weights themselves (`weights_fingerprint`): inductor's key covers only their shapes. The app
 compiles in child processes and swaps the graphs in when they are ready (app/precompile.py, app/idle_work.py). On
-CUDA, runners.py builds CUDA graphs instead (cuda_graphs.py). BENCHMARKS.md has what each of these choices measured.
+CUDA, runners.py builds CUDA graphs instead (cuda_graphs.py). docs/benchmarks.md has what each of these choices measured.
 """
 
 from __future__ import annotations

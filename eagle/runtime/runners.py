@@ -31,8 +31,8 @@ def device_settings(config: RuntimeConfig) -> None:
     CUDA: scaled_dot_product_attention without cuDNN's kernel. For a call with an explicit mask (every tree pass,
     the prefill, the head's levels) torch sends it to cuDNN first on Hopper and later GPUs, and cuDNN builds an
     execution plan for every new shape before its first call: each new prompt length, and each key length the
-    eager parts of a round meet, then waits for a plan (BENCHMARKS.md, "The embedded default's real weights on one
-    H100"). The memory-efficient kernel takes the same masks and needs no plan."""
+    eager parts of a round meet, then waits for a plan (docs/history/2026-11-27-session-50-h100-real-weights.md).
+    The memory-efficient kernel takes the same masks and needs no plan."""
     if config.cuda:
         torch.backends.cuda.enable_cudnn_sdp(False)
 

@@ -1,4 +1,4 @@
-"""CLI: `python -m eagle.train prepare ...` then `python -m eagle.train fit ...` (see eagle/train/README.md)."""
+"""CLI: `python -m eagle.train prepare ...` then `python -m eagle.train fit ...` (see docs/training.md)."""
 
 from __future__ import annotations
 
