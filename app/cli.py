@@ -8,11 +8,15 @@ import sys
 
 from eagle.chat.model_types import ALIASES, COMPILE_MODES, DTYPES, MODEL_TYPES, WEIGHTS, ModelLoadError
 
+from .model_queue import MAX_WAITING
+
 EXAMPLES = """examples:
   python launch.py                                   # SmolLM2-135M-Instruct + its EAGLE-3 head, on CPU
   python launch.py --model-type llama3.1             # Llama-3.1-8B-Instruct + EAGLE3-LLaMA3.1-Instruct-8B
   python launch.py --model-type vicuna --base-model-path ~/models/vicuna-7b-v1.3 --ea-model-path ~/models/eagle
-  python launch.py --share --auth me:secret          # a public link, with a login
+  python launch.py --share --auth me:secret --api-key KEY   # a public link, with a login (and a key for /v1)
+
+The OpenAI-compatible API is served on the same port: http://HOST:PORT/v1 (docs/openai-api.md).
 """
 
 
@@ -57,7 +61,14 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 = all)")
     p.add_argument("--port", type=int, default=None, help="port (default: 7860 or the next free one)")
     p.add_argument("--share", action="store_true", help="also make a public *.gradio.live link (use --auth)")
-    p.add_argument("--auth", metavar="USER:PASSWORD", help="require this login")
+    p.add_argument("--auth", metavar="USER:PASSWORD", help="require this login (the page; the API has --api-key)")
+    p.add_argument("--api-key", metavar="KEY", default=os.environ.get("EAGLE_API_KEY") or None,
+                   help="require this key on the OpenAI-compatible API (/v1/*) as 'Authorization: Bearer KEY' "
+                   "(default: $EAGLE_API_KEY; none = open, unless --auth is set: then /v1 is refused until a key is "
+                   "given); /health stays open")  # fmt: skip
+    p.add_argument("--queue-size", type=int, default=MAX_WAITING, metavar="N",
+                   help=f"generations that may wait for the model, the page's and the API's together, in arrival "
+                   f"order (default {MAX_WAITING}); past it the API answers 503 with Retry-After")  # fmt: skip
     p.add_argument("--no-warmup", action="store_true", help="skip the short warm-up generation")
     return p
 
@@ -74,25 +85,35 @@ def parse_auth(value: str | None):
 def main(argv: list[str] | None = None) -> None:
     args = parser().parse_args(argv)
     auth = parse_auth(args.auth)
+    if args.queue_size < 1:
+        raise SystemExit("--queue-size needs a number of at least 1")
+    if args.api_key is not None and not args.api_key.strip():
+        raise SystemExit("--api-key needs a key, for example --api-key $(openssl rand -hex 16)")
     os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
     try:
         engine = load_engine(args)
     except ModelLoadError as e:
         print(f"\nCannot start: {e}", file=sys.stderr)
         raise SystemExit(2) from None
+    from .openai_api import OpenAIServer
     from .ui import build, launch_options
 
+    engine.queue.max_waiting = args.queue_size
     demo = build(engine, max_new_tokens=args.max_new_tokens)
+    api = OpenAIServer(engine, max_new_tokens=args.max_new_tokens, api_key=args.api_key, locked=api_lock(args, auth))
     if args.share and not auth:
-        print("note: --share makes the page public; consider --auth USER:PASSWORD")
+        print("note: --share makes the page public; consider --auth USER:PASSWORD"
+              + ("" if args.api_key else " (and --api-key KEY for the API)"))  # fmt: skip
     try:
         demo.launch(server_name=args.host, server_port=args.port, share=args.share, auth=auth,
-                    prevent_thread_lock=True, **launch_options())  # fmt: skip
+                    prevent_thread_lock=True, app_kwargs=api.app_kwargs(), **launch_options())  # fmt: skip
     except OSError as e:  # the port is taken, or the address is not this machine's
         print(f"\nCannot serve on {args.host}:{args.port or 'default port'}: {e}\n"
               "Pick another with --port N (or --host).", file=sys.stderr)  # fmt: skip
         raise SystemExit(2) from None
     print(f"\nEAGLE chat ready: {demo.local_url}")
+    print(f"OpenAI-compatible API: {demo.local_url}v1 (model {api.model_id!r}"
+          + (", key required)" if args.api_key else ", refused: --auth without --api-key)" if api.locked else ")"))
     if args.share:
         if demo.share_url:
             print(f"public link: {demo.share_url}")
@@ -105,6 +126,14 @@ def main(argv: list[str] | None = None) -> None:
         print("stopping")
     finally:
         demo.close()
+
+
+def api_lock(args, auth) -> str | None:
+    """Why /v1 is refused: the page has a login and the API no key (it would be open where the page is not)."""
+    if auth and not args.api_key:
+        return ("This server's page needs a login (--auth) and its API has no key: start it with --api-key KEY "
+                "to use the API.")  # fmt: skip
+    return None
 
 
 def load_engine(args):

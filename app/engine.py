@@ -3,7 +3,8 @@
 Generations run one at a time, so two decoders never compete for the device and each one's tokens/s is its
 own. The Gradio queue already runs generation events one at a time (one concurrency group, limit 1); the lock
 here also covers the moment after a Stop, when a cancelled run may still be finishing its current round in a
-worker thread.
+worker thread, and it is the one queue that the page's replies and the OpenAI API's requests (app/openai_api.py)
+share: a FIFO with a bound (app/model_queue.py), so they get the model in arrival order.
 
 `launch.py` hands its main thread to `serve_model_calls`: from then on every round runs on the main thread,
 which also loaded and warmed up the model, whichever Gradio worker thread asks for it. Once a second thread has
@@ -35,18 +36,15 @@ from eagle.decoding.generate import Round
 from eagle.decoding.verify import SamplingParams, TokenPicker
 
 from .idle_work import REFRESH_S, Loading, VanillaReference, Wait, refresh_reference
+from .model_queue import MAX_WAITING, EngineBusy, FairLock, Ticket
 
 LOCK_TIMEOUT_S = 300.0
 PATHS = ("eager", "compiled")
 
 
-class EngineBusy(RuntimeError):
-    pass
-
-
 class Engine:
     def __init__(self, model, template: str = "chat-template", max_length: int | None = None, name: str = "",
-                 default_system: str = "", info: dict | None = None):  # fmt: skip
+                 default_system: str = "", info: dict | None = None, queue_size: int = MAX_WAITING):  # fmt: skip
         self.model = model
         self.tokenizer = model.tokenizer
         self.template = resolve_kind(template, self.tokenizer)
@@ -55,7 +53,9 @@ class Engine:
         self.name = name
         self.default_system = default_system
         self.info = info or {}
-        self._lock = threading.Lock()  # held by a generation or an idle unit: one model user at a time
+        # held by a generation or an idle unit: one model user at a time, generations (the page's and the API's)
+        # in arrival order, at most queue_size waiting (app/model_queue.py)
+        self.queue = self._lock = FairLock(queue_size)
         self._calls: queue.SimpleQueue | None = None  # set while serve_model_calls runs
         self._server_thread: threading.Thread | None = None
         self.references: dict[str, VanillaReference] = {}  # path -> vanilla timed while idle (idle_work.py)
@@ -79,8 +79,11 @@ class Engine:
 
         Room kept for the reply: max_new_tokens, but at most half the context (a longer reply stops at
         the context's end)."""
-        reserve = max(1, min(max_new_tokens, self.max_length // 2))
-        return fit_turns(turns, self.max_length - reserve, lambda t: self.prompt_ids(t, system))
+        return fit_turns(turns, self.prompt_room(max_new_tokens), lambda t: self.prompt_ids(t, system))
+
+    def prompt_room(self, max_new_tokens: int) -> int:
+        """The prompt tokens that fit with room kept for a reply of max_new_tokens (at most half the context)."""
+        return self.max_length - max(1, min(max_new_tokens, self.max_length // 2))
 
     # generation ------------------------------------------------------------------------------------------
     @property
@@ -155,15 +158,18 @@ class Engine:
 
     # using the model -----------------------------------------------------------------------------------------
     @contextlib.contextmanager
-    def _model(self, what: str, timeout: float | None = LOCK_TIMEOUT_S, pause_child: bool = True):
+    def _model(self, what: str, timeout: float | None = LOCK_TIMEOUT_S, pause_child: bool = True,
+               ticket: Ticket | None = None):  # fmt: skip
         """Hold the model for `what`: one user at a time, and (unless not `pause_child`: work that times nothing)
-        the compiling children stopped meanwhile."""
+        the compiling children stopped meanwhile. A generation waits its turn in the queue from `ticket` (a place
+        taken when its request came, `queue.join()`), else from now; QueueFull (an EngineBusy) when the queue is
+        full, model_queue.Withdrawn when the place was given up meanwhile."""
         if timeout == 0:  # idle work: only when no generation waits for the model either
             if self._waiting or not self._lock.acquire(blocking=False):
                 raise EngineBusy("the model is in use")
         else:
             with self.wanted():
-                acquired = self._lock.acquire(timeout=timeout)
+                acquired = self._lock.wait(ticket or self._lock.join(), timeout)
             if not acquired:
                 raise EngineBusy("the model is busy with another generation; try again")
         try:
@@ -204,30 +210,39 @@ class Engine:
                 self._waiting -= 1
 
     def rounds(self, ids: list[int], eagle: bool = True, temperature: float = 0.0, top_p: float = 0.0,
-               top_k: int = 0, max_new_tokens: int = 512, context_drafts: bool = False) -> Iterator[Round]:  # fmt: skip
-        """The model's rounds for one generation, holding the model for the whole run."""
-        with self._model("reply"):
+               top_k: int = 0, max_new_tokens: int = 512, context_drafts: bool = False, ticket: Ticket | None = None,
+               seed: int | None = None, cancel: threading.Event | None = None) -> Iterator[Round]:  # fmt: skip
+        """The model's rounds for one generation, holding the model for the whole run (its turn in the queue from
+        `ticket`, see `_model`). seed: torch's random numbers seeded with it right before the first round. cancel:
+        once set, the rounds end after the one in progress (checked where they run, so no further round starts
+        while the reader catches up)."""
+        with self._model("reply", ticket=ticket):
             stream = self.decode(ids, eagle, temperature, top_p, top_k, max_new_tokens, context_drafts)
+            if seed is not None:
+                stream = _seeded(stream, seed)
             if self._calls is None or threading.current_thread() is self._server_thread:
                 try:
-                    yield from stream
+                    for r in stream:
+                        yield r
+                        if cancel is not None and cancel.is_set():
+                            break
                 finally:
                     stream.close()
             else:
-                yield from self._from_model_thread(stream)
+                yield from self._from_model_thread(stream, cancel)
 
-    def _from_model_thread(self, stream: Iterator[Round]) -> Iterator[Round]:
+    def _from_model_thread(self, stream: Iterator[Round], cancel: threading.Event | None = None) -> Iterator[Round]:
         """`stream` run on the model thread round after round, as the idle work's timings run, without waiting for
         the reader between rounds (a thread that waits lets libgomp's team fall asleep, and every round paid the
-        wake-up); the rounds reach the reader through a queue. Closing this generator ends the stream after the
-        round in progress, and returns once the model thread is done with it."""
+        wake-up); the rounds reach the reader through a queue. Closing this generator (or setting `cancel`) ends the
+        stream after the round in progress; closing it returns once the model thread is done with it."""
         rounds, stop, done = queue.SimpleQueue(), threading.Event(), Future()
 
         def produce() -> None:
             try:
                 for r in stream:
                     rounds.put(r)
-                    if stop.is_set():
+                    if stop.is_set() or cancel is not None and cancel.is_set():
                         break
             except BaseException as e:  # noqa: BLE001 - raised in the reader's thread
                 rounds.put(e)
@@ -351,3 +366,11 @@ class Engine:
         for eagle in (True, False):
             for _ in self.rounds(ids, eagle=eagle, max_new_tokens=8):
                 pass
+
+
+def _seeded(stream: Iterator[Round], seed: int) -> Iterator[Round]:
+    """`stream`, with torch's generators seeded on the thread that runs it, right before its first round."""
+    import torch
+
+    torch.manual_seed(seed)
+    yield from stream

@@ -57,13 +57,13 @@ def one_thread():
 
 
 @contextlib.contextmanager
-def serve(engine, max_new_tokens: int = 32):
-    """The app on 127.0.0.1 (a free port), closed afterwards."""
+def serve(engine, max_new_tokens: int = 32, **launch):
+    """The app on 127.0.0.1 (a free port), closed afterwards; `launch`: more of demo.launch's keywords."""
     os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
     from app.ui import build, launch_options
 
     demo = build(engine, max_new_tokens=max_new_tokens)
-    demo.launch(prevent_thread_lock=True, server_name="127.0.0.1", quiet=True, **launch_options())
+    demo.launch(prevent_thread_lock=True, server_name="127.0.0.1", quiet=True, **launch_options(), **launch)
     try:
         yield demo
     finally:

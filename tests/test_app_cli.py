@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 
+import httpx
 import pytest
 from app_fixtures import ROOT, tiny_model
 
@@ -118,6 +119,11 @@ def test_launch_py_serves_a_tiny_model(tmp_path):
         assert "[1/3]" in log and "[2/3]" in log and "[3/3]" in log  # loading progress
         html, text, figures = Client(url, verbose=False).predict("w7 w8", api_name="/chat")
         assert text and figures["new_tokens"] >= 1
+        # the OpenAI-compatible API on the same port (app/openai_api.py)
+        assert re.search(r"OpenAI-compatible API: http://\S+/v1 \(model 'smollm2'\)", proc.stdout.readline())
+        body = {"model": "smollm2", "messages": [{"role": "user", "content": "w7 w8"}], "max_tokens": 4}
+        reply = httpx.post(url + "v1/chat/completions", json=body, timeout=60).json()
+        assert reply["usage"]["completion_tokens"] == reply["timings"]["predicted_n"] >= 1
     finally:
         proc.terminate()
         proc.wait(timeout=30)
