@@ -8,6 +8,7 @@ import sys
 
 from eagle.chat.model_types import ALIASES, COMPILE_MODES, DTYPES, MODEL_TYPES, WEIGHTS, ModelLoadError
 
+from .engine import KV_BUDGET_MB
 from .model_queue import MAX_WAITING
 
 EXAMPLES = """examples:
@@ -56,8 +57,12 @@ def parser() -> argparse.ArgumentParser:
                    "where they measure faster than eager on this machine (default), or inductor = on, and on CUDA "
                    "with inductor's fused kernels in the graphs (faster steps; minutes to compile the first time)")
     p.add_argument("--max-new-tokens", type=int, default=512, help="default reply length limit (default 512)")
-    p.add_argument("--max-length", type=int, default=2048,
-                   help="context budget, prompt + reply (default 2048, capped by the model's)")  # fmt: skip
+    p.add_argument("--max-length", type=int, default=None,
+                   help="context, prompt + reply, in tokens (default: the base's window, as much of it as "
+                   "--kv-budget-mb holds)")  # fmt: skip
+    p.add_argument("--kv-budget-mb", type=float, default=KV_BUDGET_MB, metavar="MB",
+                   help=f"memory one conversation's KV caches may take, the base's and the head's (default "
+                   f"{KV_BUDGET_MB}): bounds the context where the base's window would take more")  # fmt: skip
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 = all)")
     p.add_argument("--port", type=int, default=None, help="port (default: 7860 or the next free one)")
     p.add_argument("--share", action="store_true", help="also make a public *.gradio.live link (use --auth)")
@@ -85,6 +90,10 @@ def parse_auth(value: str | None):
 def main(argv: list[str] | None = None) -> None:
     args = parser().parse_args(argv)
     auth = parse_auth(args.auth)
+    if args.kv_budget_mb <= 0:
+        raise SystemExit("--kv-budget-mb needs a positive number of MB, for example --kv-budget-mb 2048")
+    if args.max_length is not None and args.max_length < 2:
+        raise SystemExit("--max-length needs at least 2 tokens (a prompt token and a reply token)")
     if args.queue_size < 1:
         raise SystemExit("--queue-size needs a number of at least 1")
     if args.api_key is not None and not args.api_key.strip():
@@ -170,7 +179,8 @@ def load_engine(args):
     }  # fmt: skip
     system = mtype.system_prompt or default_system_prompt(mtype.template)
     name = f"{mtype.name}: {os.path.basename(str(info['base']).rstrip('/'))} + {info['draft']} head"
-    engine = Engine(model, mtype.template, args.max_length, name=name, default_system=system, info=info)
+    engine = Engine(model, mtype.template, args.max_length, name=name, default_system=system, info=info,
+                    kv_budget_mb=args.kv_budget_mb)
     engine.describe = describe_forwards
     if not args.no_warmup:
         print("[3/3] warming up (one short generation each way); vanilla decoding is timed once the page is up")

@@ -42,14 +42,36 @@ LOCK_TIMEOUT_S = 300.0
 PATHS = ("eager", "compiled")
 
 
+KV_BUDGET_MB = 2048  # one conversation's KV caches (the base's and the head's) at most: bounds the context used
+
+
+def kv_bytes_per_token(model) -> int:
+    """Bytes one token's keys and values take in a generation's caches: every layer of the base, in its dtype, and
+    the draft head's one layer in its own."""
+    text = model.config.get_text_config()
+    heads = text.num_attention_heads
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    base = 2 * text.num_hidden_layers * kv_heads * head_dim * model.base.dtype.itemsize
+    head_config = model.ea_layer.config
+    head = 2 * head_config.num_key_value_heads * head_config.head_dim * model.ea_layer.fc.weight.dtype.itemsize
+    return base + head
+
+
 class Engine:
     def __init__(self, model, template: str = "chat-template", max_length: int | None = None, name: str = "",
-                 default_system: str = "", info: dict | None = None, queue_size: int = MAX_WAITING):  # fmt: skip
+                 default_system: str = "", info: dict | None = None, queue_size: int = MAX_WAITING,
+                 kv_budget_mb: float = KV_BUDGET_MB):  # fmt: skip
         self.model = model
         self.tokenizer = model.tokenizer
         self.template = resolve_kind(template, self.tokenizer)
-        context = getattr(model.config.get_text_config(), "max_position_embeddings", None) or 2048
-        self.max_length = min(max_length or 2048, context)
+        # the base's context window, as much of it as `kv_budget_mb` of one conversation's KV caches holds, or
+        # `max_length` where a smaller one is asked for
+        self.window = getattr(model.config.get_text_config(), "max_position_embeddings", None) or 2048
+        self.kv_bytes_per_token = kv_bytes_per_token(model)
+        self.kv_budget_mb = kv_budget_mb
+        in_budget = int(kv_budget_mb * 2**20 // self.kv_bytes_per_token)
+        self.max_length = max(1, min(max_length or self.window, self.window, in_budget))
         self.name = name
         self.default_system = default_system
         self.info = info or {}
@@ -69,6 +91,15 @@ class Engine:
         self._pending: dict = {}  # job -> the line (or Wait) it announced last
         self._refresh = None  # the job timing a reference again (`record_reply`)
         self.describe_context()
+
+    def context_line(self) -> str:
+        """The Model panel's line on the context: how long, why, and the memory a full one's KV caches take."""
+        full_mb = self.max_length * self.kv_bytes_per_token / 2**20
+        why = ("the base's window" if self.max_length == self.window else
+               f"of the base's {self.window:,}: as much as --kv-budget-mb {self.kv_budget_mb:g} holds"
+               if self.max_length == int(self.kv_budget_mb * 2**20 // self.kv_bytes_per_token) else
+               f"of the base's {self.window:,}: --max-length")  # fmt: skip
+        return f"{self.max_length:,} tokens ({why}); a full conversation's KV caches {full_mb:,.0f} MB"
 
     # prompts ---------------------------------------------------------------------------------------------
     def prompt_ids(self, turns: Sequence[Turn], system: str = "") -> list[int]:

@@ -185,6 +185,7 @@ def respond(engine, message: str, turns: Sequence[Turn], settings: Settings,
     def update(done=False, measured=None, complete=False) -> Update:
         figs = with_vanilla(stats.as_dict(), *(measured or reference_figures(engine, path, stats)))
         figs.update(prompt_tokens=len(fit.ids), dropped_turns=fit.dropped, notice=notice,
+                    context_tokens=len(fit.ids) + stats.new_tokens, context_limit=engine.max_length,
                     input_notices=list(settings.notices), forwards=path)  # fmt: skip
         return Update(reply.text, [list(m) for m in reply.marks], figs, done,
                       highlight=settings.highlight and settings.eagle, complete=complete)  # fmt: skip

@@ -98,6 +98,14 @@ def _percent(share) -> str | None:
     return f"{100 * share:.0f}%" if isinstance(share, (int, float)) and not isinstance(share, bool) else None
 
 
+def _context(fig: dict) -> str:
+    """How much of the model's context the conversation fills with this reply ("1,234 of 8,192 tokens (15%)")."""
+    used, limit = fig.get("context_tokens"), fig.get("context_limit")
+    if not isinstance(used, int) or not isinstance(limit, int) or limit <= 0:
+        return "–"
+    return f"{used:,} of {limit:,} tokens ({100 * used / limit:.0f}%)"
+
+
 def shares_text(fig: dict) -> str:
     """The new tokens by source in words ("62% base, 28% head drafts, 10% context copies"), or "" when `fig` has no
     shares."""
@@ -130,6 +138,7 @@ def figures_html(fig: dict | None, running: bool = False) -> str:
         ("elapsed (decoding)", _num(fig.get("elapsed_s"), "{:.2f}", " s")),
         ("vanilla tokens/s", _num(fig.get("vanilla_tokens_per_s"))),
         ("forwards", {"compiled": "compiled rounds", "eager": "eager"}.get(fig.get("forwards") or "", "–")),
+        ("context used", _context(fig)),
     ]
     body = "".join(f"<tr><td>{html.escape(k)}</td><td>{html.escape(v)}</td></tr>" for k, v in rows)
     speedup = fig.get("speedup")

@@ -81,7 +81,7 @@ def model_info_md(engine) -> str:
             ("vanilla reference", f"{1 / reference.step_s:.1f} tokens/s after the prefill ({reference.source})"
              if reference else f"being timed ({engine.path} forwards)"),
             ("dtype / device", i.get("dtype_device")), ("weights", i.get("weights")),
-            ("context", f"{engine.max_length:,} tokens"), ("template", engine.template)]  # fmt: skip
+            ("context", engine.context_line()), ("template", engine.template)]  # fmt: skip
     return "\n".join(f"- **{k}**: `{v}`" for k, v in rows if v)
 
 

@@ -112,6 +112,9 @@ class ModelFreeEngine:
     def reply_figures(self, path=None):
         return ""
 
+    def context_line(self):
+        return f"{self.max_length:,} tokens"
+
     def waiting_lines(self):
         return iter(())
 

@@ -454,3 +454,27 @@ def test_an_overlong_message_is_refused_when_sent_and_stays_in_the_box(engine, m
     box, chat, state = add("w9 " * 90, state, True)  # fits the context (the reply's room is respond's to judge)
     assert box == "" and len(chat) == 1 and len(shown) == 1
     assert too_long(ScriptedEngine(LIST_ROUNDS), "x" * 20_000) is None  # a tokenizer that cannot count: respond's
+
+
+def test_the_context_defaults_to_the_bases_window_within_the_kv_budget(tmp_path):
+    from app.engine import Engine, kv_bytes_per_token
+
+    model = tiny_engine(str(tmp_path)).model
+    window = model.config.get_text_config().max_position_embeddings
+    per_token = kv_bytes_per_token(model)
+    text = model.config.get_text_config()
+    kv_heads = text.num_key_value_heads or text.num_attention_heads
+    assert per_token >= 2 * text.num_hidden_layers * kv_heads * (text.hidden_size // text.num_attention_heads) * 4
+    assert Engine(model).max_length == window
+    assert "the base's window" in Engine(model).context_line()
+    tight = Engine(model, kv_budget_mb=per_token * 100 / 2**20)  # room for 100 tokens' keys and values
+    assert tight.max_length == 100 < window and "--kv-budget-mb" in tight.context_line()
+    assert Engine(model, max_length=64).max_length == 64 and "--max-length" in Engine(model, max_length=64).context_line()
+
+
+def test_the_figures_say_how_much_of_the_context_a_conversation_fills():
+    from app.stats import figures_html
+
+    shown = figures_html({"mode": "eagle", "context_tokens": 1234, "context_limit": 8192})
+    assert "context used" in shown and "1,234 of 8,192 tokens (15%)" in shown
+    assert "context used</td><td>–" in figures_html({"mode": "eagle"})

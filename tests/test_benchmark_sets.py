@@ -1,17 +1,25 @@
-"""The repetitive benchmark set (eagle/evaluation/data), `bench --bench repetitive`, and the guard that keeps benchmark
-prompts out of training data (eagle/train/benchmark_guard.py, applied by eagle.train.data.load_conversations)."""
+"""The benchmark sets shipped in eagle/evaluation/data (the repetitive set, the long conversations), `bench --bench
+repetitive|conversations`, and the guard that keeps benchmark prompts out of training data
+(eagle/train/benchmark_guard.py, applied by eagle.train.data.load_conversations)."""
 
 import json
 from collections import Counter
 
 import pytest
 
-from eagle.evaluation.bench import REPETITIVE_SOURCE, build_parser, load_questions
-from eagle.evaluation.questions import REPETITIVE_QUESTIONS, load_mtbench_questions, load_repetitive_questions
-from eagle.train.benchmark_guard import BENCHMARK_SETS, BenchmarkGuard, drop_benchmark_conversations
+from eagle.evaluation.bench import CONVERSATIONS_SOURCE, REPETITIVE_SOURCE, build_parser, load_questions
+from eagle.evaluation.questions import (
+    CONVERSATIONS,
+    REPETITIVE_QUESTIONS,
+    load_conversations as load_conversation_set,
+    load_mtbench_questions,
+    load_repetitive_questions,
+)
+from eagle.train.benchmark_guard import BENCHMARK_SETS, BenchmarkGuard, benchmark_prompts, drop_benchmark_conversations
 from eagle.train.data import load_conversations
 
 CATEGORIES = {"code_edit", "summarise", "extract", "rewrite_list", "restate"}
+CONVERSATION_CATEGORIES = {"license", "code", "docs", "data", "story", "plan"}
 
 
 @pytest.fixture(scope="module")
@@ -118,3 +126,44 @@ def test_bench_rejects_an_unknown_set(capsys):
     with pytest.raises(SystemExit):
         build_parser().parse_args(["--bench", "humaneval"])
     assert "invalid choice" in capsys.readouterr().err
+
+
+def test_the_conversations_are_12_of_four_turns_or_more_each_with_its_source():
+    conversations = load_conversation_set()
+    assert [q["question_id"] for q in conversations] == list(range(2001, 2013))
+    assert {q["category"] for q in conversations} == CONVERSATION_CATEGORIES
+    for q in conversations:
+        assert len(q["turns"]) >= 4 and all(t.strip() for t in q["turns"]), q["question_id"]
+        assert "CC0" in q["source"], q["question_id"]  # the questions are this repository's own, public domain
+        if q["category"] in ("license", "code", "docs"):  # opened by a long text that the later turns ask about
+            assert len(q["turns"][0]) > 2000 and ("Apache" in q["source"] or "PSF" in q["source"]), q["question_id"]
+    assert sum(len(q["turns"][0]) > 1000 for q in conversations) >= 8  # contexts past 1,000 tokens
+
+
+def test_bench_conversations_selects_the_set():
+    args = build_parser().parse_args(["--bench", "conversations", "--turns", "all", "--per-category", "1"])
+    questions, source = load_questions(args)
+    assert source == CONVERSATIONS_SOURCE and args.turns == "all"
+    assert [q["category"] for q in questions] == ["license", "code", "docs", "data", "story", "plan"]
+    assert questions[0] == load_conversation_set()[0]
+
+
+def test_no_conversation_turn_is_near_an_mtbench_question_or_a_repetitive_prompt(mtbench):
+    guard = BenchmarkGuard([t for q in mtbench for t in q["turns"]] +
+                           [q["turns"][0] for q in load_repetitive_questions()])  # fmt: skip
+    for q in load_conversation_set():
+        for i, turn in enumerate(q["turns"]):
+            assert guard.match([turn]) is None, (q["question_id"], i)
+
+
+def test_the_guard_reads_the_conversations_and_drops_a_training_chat_holding_one(tmp_path):
+    assert CONVERSATIONS.parent == BENCHMARK_SETS and CONVERSATIONS in set(BENCHMARK_SETS.glob("*.jsonl"))
+    fake_mtbench = tmp_path / "question.jsonl"
+    fake_mtbench.write_text(json.dumps({"question_id": 81, "category": "writing", "turns": ["Write a poem."]}) + "\n")
+    prompts = benchmark_prompts(fake_mtbench)
+    code = load_conversation_set()[2]
+    assert all(t in prompts for t in code["turns"])
+    pasted = code["turns"][0].replace("function by function", "one function at a time")
+    assert pasted != code["turns"][0]
+    training = [chat("How do I center a div in CSS?"), chat("Hi!", pasted)]
+    assert drop_benchmark_conversations(training, prompts, log=None) == training[:1]

@@ -217,22 +217,25 @@ def runner(path: str | os.PathLike, stop_ids, max_new_tokens: int, kv_type: str 
         logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, -1), shape=(n_vocab,))  # (vocab,)
         return int(logits.argmax())
 
-    def generate(ids: list[int]) -> tuple[list[int], int]:
+    def generate(ids: list[int], t0: float) -> tuple[list[int], int, float]:
         llm.reset()  # n_tokens = 0: eval() first removes every cached position, so no prefix is reused
         llm.eval(ids)  # prefill (in chunks of n_batch)
         out, calls = [last_argmax()], 1
+        first = time.perf_counter() - t0
         while out[-1] not in stops and len(out) < max_new_tokens:
             llm.eval(out[-1:])  # one decode call per new token
             out.append(last_argmax())
             calls += 1
-        return out, calls
+        return out, calls, first
 
-    def run(ids: list[int]) -> tuple[list[int], float, int]:
+    def run(ids: list[int], with_prefill: bool = False):
+        """(new ids, wall seconds, decode calls), and the seconds to the first token where `with_prefill`."""
         if len(ids) + max_new_tokens > n_ctx:
             raise ValueError(f"llama_cpp: prompt of {len(ids)} + {max_new_tokens} new tokens exceeds n_ctx={n_ctx}")
         t0 = time.perf_counter()
-        out, calls = generate(list(ids))
-        return out, time.perf_counter() - t0, calls
+        out, calls, first = generate(list(ids), t0)
+        seconds = time.perf_counter() - t0
+        return (out, seconds, calls, first) if with_prefill else (out, seconds, calls)
 
     return run
 

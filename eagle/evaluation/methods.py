@@ -12,11 +12,16 @@
 
 All methods get the same max_new_tokens and stop at the model's stop ids (EOS and end-of-turn tokens, which the
 hf methods receive as `eos_token_id`). The wall time covers the whole call (prefill included); on CUDA the device
-is synchronised before and after.
+is synchronised before and after. A runner also takes `conversation` (a key): our engine's methods pass it to
+`EaModel.stream`, which starts from the caches that conversation's last turn left (the app's kept conversation) and
+reports the prompt tokens it read from them; the hf methods and llama.cpp prefill the whole prompt every call (hf's
+`generate` is given no cache, the llama.cpp runner empties its own) and ignore it. Every runner reports the time to
+its first token (`prefill_s`).
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -37,6 +42,8 @@ class Output:
     forwards: int | None  # base forward passes, prefill included; None where the method does not report them
     drafted: int | None = None  # of the tokens, those drafted and accepted (our engine only)
     copied: int | None = None  # of those, context drafts (copies of earlier text)
+    cached: int | None = None  # prompt tokens read from a kept conversation's cache, not prefilled (0: none)
+    prefill_s: float | None = None  # seconds to the first new token (prefill included); None where not measured
 
 
 @dataclass(frozen=True)
@@ -46,7 +53,7 @@ class Settings:
     pld_tokens: int = 10  # prompt_lookup_num_tokens for hf_pld
 
 
-Runner = Callable[[list[int]], Output]
+Runner = Callable[..., Output]  # (prompt ids, conversation=None) -> Output
 
 
 def _generation_config(model, settings: Settings, **extra):
@@ -66,6 +73,23 @@ def _generation_config(model, settings: Settings, **extra):
     return GenerationConfig(do_sample=False, **common)
 
 
+class _FirstToken:
+    """A `generate` streamer that notes when the first new token came (its first `put` is the prompt): the time to
+    the first token from `start` (set as the call begins). transformers hands it the token on the host (`.cpu()`),
+    so on CUDA the time holds the device's work."""
+
+    def __init__(self):
+        self.start, self.seconds, self._puts = time.perf_counter(), None, 0
+
+    def put(self, value) -> None:
+        self._puts += 1
+        if self._puts == 2:
+            self.seconds = time.perf_counter() - self.start
+
+    def end(self) -> None:
+        pass
+
+
 def hf_runner(model, settings: Settings, assistant: dict | None = None, **extra) -> Runner:
     """`assistant`: generate() arguments from `load_assistant`; `extra`: generation-config fields."""
     base = model.base_model
@@ -73,13 +97,18 @@ def hf_runner(model, settings: Settings, assistant: dict | None = None, **extra)
     config = _generation_config(model, settings, **extra)
     kwargs = dict(assistant or {})
 
-    def run(ids: list[int]) -> Output:
+    def run(ids: list[int], conversation=None) -> Output:  # no cache kept: hf prefills the whole prompt every call
         x = torch.tensor([ids], device=device)
+        first = _FirstToken()
+
+        def go():
+            first.start = time.perf_counter()
+            return base.generate(x, attention_mask=torch.ones_like(x), generation_config=config, streamer=first,
+                                 **kwargs)  # fmt: skip
+
         with torch.inference_mode():
-            out, seconds = timed(device, lambda: base.generate(
-                x, attention_mask=torch.ones_like(x), generation_config=config, **kwargs
-            ))  # fmt: skip
-        return Output(out[0, len(ids) :].tolist(), seconds, None)
+            out, seconds = timed(device, go)
+        return Output(out[0, len(ids) :].tolist(), seconds, None, cached=0, prefill_s=first.seconds)
 
     return run
 
@@ -88,15 +117,19 @@ def engine_runner(model, settings: Settings, eagle: bool, tree=None, context_dra
     device = model.base_model.get_input_embeddings().weight.device
     extra = {"tree": tree} if eagle and tree is not None else {}
 
-    def run(ids: list[int]) -> Output:
+    def run(ids: list[int], conversation=None) -> Output:
+        """conversation: a key of the model's prefix store (None: a cold start, nothing kept)."""
         x = torch.tensor([ids])
+        kept = {"conversation": conversation} if conversation is not None else {}
         rounds, seconds = timed(device, lambda: list(model.stream(
             x, eagle=eagle, temperature=settings.temperature, max_new_tokens=settings.max_new_tokens,
-            max_length=len(ids) + settings.max_new_tokens, context_drafts=context_drafts, **extra,
+            max_length=len(ids) + settings.max_new_tokens, context_drafts=context_drafts, **extra, **kept,
         )))  # fmt: skip
         tokens = [t for r in rounds for t in r.tokens]
         drafted, copied = sum(r.accepted for r in rounds), sum(r.context for r in rounds)
-        return Output(tokens, seconds, len(rounds), drafted, copied)  # a round per base forward, the prefill's too
+        first = rounds[0] if rounds else None  # the first round carries the prefill's figures
+        cached, prefill_s = getattr(first, "cached", None), getattr(first, "prefill_s", None) or None
+        return Output(tokens, seconds, len(rounds), drafted, copied, cached, prefill_s)  # a round per base forward
 
     return run
 
@@ -113,9 +146,9 @@ def llama_cpp_runner(name: str, model, settings: Settings, base_path: str, model
     n_ctx = min(4096, model.base_model.config.max_position_embeddings)  # KV cache positions (prompt + answer)
     go = llamacpp.runner(path, model.stop_token_ids, settings.max_new_tokens, kv_type=kv, n_ctx=n_ctx)
 
-    def run(ids: list[int]) -> Output:
-        tokens, seconds, calls = go(ids)
-        return Output(tokens, seconds, calls)
+    def run(ids: list[int], conversation=None) -> Output:  # the runner empties llama.cpp's KV cache every prompt
+        tokens, seconds, calls, prefill_s = go(ids, with_prefill=True)
+        return Output(tokens, seconds, calls, cached=0, prefill_s=prefill_s)
 
     run.label = f"llama.cpp {llamacpp.version()}, GGUF {precision}, KV cache {kv}"
     run.weight_bytes = llamacpp.gguf_weight_bytes(path)  # per decoded token, for its own-precision floor

@@ -1,5 +1,7 @@
 """Benchmark questions in MT-bench's format: MT-bench's ``question.jsonl`` (80 questions, two turns each) and the
-repetitive set shipped beside this module (``data/repetitive.jsonl``: 40 prompts that carry the text they ask about)."""
+sets shipped beside this module: the repetitive set (``data/repetitive.jsonl``: 40 prompts that carry the text they
+ask about) and the conversations (``data/conversations.jsonl``: 12 conversations of 4-5 turns, most of them opened by
+a long text)."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ from pathlib import Path
 
 _REQUIRED = ("question_id", "category", "turns")
 REPETITIVE_QUESTIONS = Path(__file__).resolve().parent / "data" / "repetitive.jsonl"
+CONVERSATIONS = Path(__file__).resolve().parent / "data" / "conversations.jsonl"
 
 
 def load_mtbench_questions(path: str | os.PathLike | None = None) -> list[dict]:
@@ -52,3 +55,11 @@ def load_repetitive_questions() -> list[dict]:
     reuse the text they carry (code to edit, passages to summarise or extract from, lists to rewrite, paragraphs to
     quote or correct). Each question also has a ``source`` key naming where its text comes from and its license."""
     return load_mtbench_questions(REPETITIVE_QUESTIONS)
+
+
+def load_conversations() -> list[dict]:
+    """Return the long-conversation set (``CONVERSATIONS``): conversations in MT-bench's format of 4-5 turns each,
+    most opened by a long text (a license, a module of code, a page of docs, a table, a log) that the later turns
+    ask about, the others stories and plans that grow turn by turn; for ``bench --turns all``. Each question also has
+    a ``source`` key naming where its text comes from and its license."""
+    return load_mtbench_questions(CONVERSATIONS)

@@ -1,7 +1,10 @@
 """Aggregate per-question records into the benchmark result, and write it as JSON, a markdown table and a plot.
 
-A record is one (question, method) run: {"question_id", "category", "method", "new_tokens", "seconds",
-"forwards" (base forward passes, prefill included, or None), "identical_to_hf" (bool, or None where not checked)}.
+A record is one (question, turn, method) run: {"question_id", "category", "method", "turn" (1-based; 1 where
+absent), "new_tokens", "seconds", "forwards" (base forward passes, prefill included, or None), "identical_to_hf"
+(bool, or None where not checked)}, and where measured "prompt_tokens", "cached_tokens" (prompt tokens read from a
+conversation's kept cache), "prefill_s" (seconds to the first token), "not_comparable_to_hf" /
+"not_comparable_to_vanilla" (a later turn whose prompt ids differ from hf's / vanilla's: not checked).
 
 Definitions (per method, over all its records, or those of one category):
 - tokens_per_s          = sum(new_tokens) / sum(seconds)
@@ -17,6 +20,14 @@ Definitions (per method, over all its records, or those of one category):
 - agreement_with_hf     = Σ tokens before the first difference from hf / Σ hf's new tokens, over the checked
                           questions (1.0 when all are identical; for llama.cpp, whose arithmetic differs)
 - speedup_vs_hf_reference_style = mean over questions of tokens/s, divided by hf's (the reference's speed.py)
+- mean_prompt_tokens, mean_cached_tokens = means over the answers (cached: prompt tokens whose cache rows came from
+                          the conversation's last turn, not prefilled); null where a record does not give them
+- mean_prefill_ms       = mean time to the first token (the prefill of the uncached prompt and the first pick), ms
+- decode_tokens_per_s   = Σ (new_tokens - 1) / Σ (seconds - prefill_s): decoding apart from the prefill
+- not_comparable_to_hf, not_comparable_to_vanilla = answers not checked because their prompt differed (a later turn
+                          after earlier answers that differed)
+Each figure is given over all answers, per category, and per turn ("turns": [{"turn", "methods"}]); at --turns all a
+question counts once per turn in the identical counts.
 """
 
 from __future__ import annotations
@@ -35,16 +46,36 @@ def _ratio(k: int, n: int) -> str | None:
     return f"{k}/{n}" if n else None
 
 
+def _key(r: dict) -> tuple:
+    """What a record answers: (question, turn)."""
+    return r["question_id"], r.get("turn", 1)
+
+
+def _mean(records: list[dict], key: str, scale: float = 1.0) -> float | None:
+    """The mean of `key` over `records`; None unless every record gives it."""
+    values = [r.get(key) for r in records]
+    return scale * sum(values) / len(values) if values and None not in values else None
+
+
+def _decode_rate(records: list[dict]) -> float | None:
+    timed = [r for r in records if r.get("prefill_s") is not None and r["new_tokens"] >= 1]
+    if not records or len(timed) < len(records):
+        return None
+    seconds = sum(r["seconds"] - r["prefill_s"] for r in timed)
+    return sum(r["new_tokens"] - 1 for r in timed) / seconds if seconds > 0 else None
+
+
 def _agreement(records: list[dict], hf_new: dict | None) -> float | None:
     """Σ tokens before the first difference / Σ hf's new tokens, over the records checked against hf."""
-    checked = [r for r in records if r.get("identical_to_hf") is not None and hf_new and r["question_id"] in hf_new]
-    total = sum(hf_new[r["question_id"]] for r in checked)
+    checked = [r for r in records if r.get("identical_to_hf") is not None and hf_new and _key(r) in hf_new]
+    total = sum(hf_new[_key(r)] for r in checked)
     same = [r["new_tokens"] if r["identical_to_hf"] else r.get("first_difference") for r in checked]
     return sum(same) / total if total and None not in same else None
 
 
 def summarize(records: list[dict], hf_new: dict | None = None) -> dict:
-    """Totals and rates of one method's records; `hf_new`: {question_id: hf's new tokens} for the agreement."""
+    """Totals and rates of one method's records; `hf_new`: {(question_id, turn): hf's new tokens} for the
+    agreement."""
     new = sum(r["new_tokens"] for r in records)
     seconds = sum(r["seconds"] for r in records)
     forwards = None if any(r["forwards"] is None for r in records) else sum(r["forwards"] for r in records)
@@ -66,6 +97,12 @@ def summarize(records: list[dict], hf_new: dict | None = None) -> dict:
         "agreement_with_hf": _agreement(records, hf_new),
         "share_from_head": (sum(r["drafted_tokens"] for r in records) - copied) / new if known else None,
         "share_from_context": copied / new if known else None,
+        "mean_prompt_tokens": _mean(records, "prompt_tokens"),
+        "mean_cached_tokens": _mean(records, "cached_tokens"),
+        "mean_prefill_ms": _mean(records, "prefill_s", 1000.0),
+        "decode_tokens_per_s": _decode_rate(records),
+        "not_comparable_to_hf": sum(bool(r.get("not_comparable_to_hf")) for r in records),
+        "not_comparable_to_vanilla": sum(bool(r.get("not_comparable_to_vanilla")) for r in records),
     }
 
 
@@ -83,14 +120,14 @@ def _add_speedups(stats: dict[str, dict]) -> None:
 
 def aggregate(records: list[dict], methods: list[str]) -> dict:
     """{"methods": {name: stats, with "categories": {cat: stats}}, "identical_to_hf": "k/n" or None,
-    "categories": [names in first-seen order]}."""
+    "categories": [names in first-seen order], "turns": [{"turn": t, "methods": {name: stats}}, in turn order]}."""
     by_method: dict[str, list[dict]] = defaultdict(list)
     categories: list[str] = []
     for r in records:
         by_method[r["method"]].append(r)
         if r["category"] not in categories:
             categories.append(r["category"])
-    hf_new = {r["question_id"]: r["new_tokens"] for r in by_method.get(BASELINE, [])}
+    hf_new = {_key(r): r["new_tokens"] for r in by_method.get(BASELINE, [])}
     stats = {m: summarize(by_method[m], hf_new) for m in methods if by_method[m]}
     _add_speedups(stats)
     for cat in categories:
@@ -99,13 +136,19 @@ def aggregate(records: list[dict], methods: list[str]) -> dict:
         _add_speedups(per_cat)
         for m, s in per_cat.items():
             stats[m].setdefault("categories", {})[cat] = s
-    # overall: a question counts as identical when every checked method (peers aside) reproduced hf's ids
+    turns = []
+    for t in sorted({r.get("turn", 1) for r in records}):
+        per_turn = {m: summarize([r for r in by_method[m] if r.get("turn", 1) == t], hf_new) for m in stats}
+        per_turn = {m: s for m, s in per_turn.items() if s["questions"]}
+        _add_speedups(per_turn)
+        turns.append({"turn": t, "methods": per_turn})
+    # overall: a question's turn counts as identical when every checked method (peers aside) reproduced hf's ids
     verdicts: dict[object, list[bool]] = defaultdict(list)
     for r in records:
         if r.get("identical_to_hf") is not None and r["method"] not in PEERS:
-            verdicts[r["question_id"]].append(bool(r["identical_to_hf"]))
+            verdicts[_key(r)].append(bool(r["identical_to_hf"]))
     overall = _ratio(sum(all(v) for v in verdicts.values()), len(verdicts))
-    return {"identical_to_hf": overall, "methods": stats, "categories": categories}
+    return {"identical_to_hf": overall, "methods": stats, "categories": categories, "turns": turns}
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -152,7 +195,7 @@ def markdown(result: dict) -> str:
         f"**Date:** {result['date']}  ",
         f"**Model:** base `{m['base']}`, head `{m['head']}` "
         f"({'EAGLE-3' if m.get('eagle3') else 'EAGLE-1/2'} head, {dtypes})  ",
-        f"**Questions:** {result['questions']} from {s['questions_from']} (first turns), "
+        f"**Questions:** {result['questions']} from {s['questions_from']} ({_turns_note(result)}), "
         f"max_new_tokens={s['max_new_tokens']}, temperature={s['temperature']}, "
         f"EAGLE-2 tree total_token={s['total_token']} depth={s['depth']} top_k={s['top_k']}  ",
         f"**Identical to hf (T=0):** {result['identical_to_hf'] or _unchecked(result)}  ",
@@ -197,7 +240,45 @@ def markdown(result: dict) -> str:
                 tau = f" ({_fmt(c['mean_accepted_tokens'])})" if c["mean_accepted_tokens"] is not None else ""
                 cells.append(_fmt(c["speedup_vs_hf"], 2, "x") + tau)
             lines.append(f"| {cat} | " + " | ".join(cells) + " |")
+    lines += _turn_table(result)
     return "\n".join(lines) + "\n"
+
+
+def _turns_note(result: dict) -> str:
+    if result["settings"].get("turns") != "all":
+        return "first turns"
+    answers = max((m["questions"] for m in result["methods"].values()), default=0)
+    return f"every turn, each method after its own earlier answers: {answers} answers per method"
+
+
+def _identical_cell(m: dict) -> str:
+    cell = m.get("identical_to_vanilla") or "–"
+    if m.get("not_comparable_to_vanilla"):
+        cell += f" ({m['not_comparable_to_vanilla']} not comparable)"
+    return cell
+
+
+def _turn_table(result: dict) -> list[str]:
+    """Per turn and method: rates, tokens per forward, prompt and cached tokens, time to the first token."""
+    turns = result.get("turns") or []
+    if not turns:  # results from before the per-turn figures
+        return []
+    lines = ["", "Per turn: prompt and cached tokens are means per answer (cached: read from the conversation's kept "
+             "cache, not prefilled); time to first token = the prefill of the rest and the first pick; decode "
+             "tokens/s = the tokens after the first over the time after it", "",
+             "| turn | method | answers | tokens/s | speedup vs vanilla | tokens / forward | prompt tokens "
+             "| cached tokens | time to first token (ms) | decode tokens/s | identical to vanilla |",
+             "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+    for entry in turns:
+        for name, m in entry["methods"].items():
+            lines.append(
+                f"| {entry['turn']} | {name} | {m['questions']} | {_fmt(m['tokens_per_s'], 1)} | "
+                f"{_fmt(m.get('speedup_vs_vanilla'), 2, 'x')} | {_fmt(m['mean_accepted_tokens'])} | "
+                f"{_fmt(m.get('mean_prompt_tokens'), 0)} | {_fmt(m.get('mean_cached_tokens'), 0)} | "
+                f"{_fmt(m.get('mean_prefill_ms'), 1)} | {_fmt(m.get('decode_tokens_per_s'), 1)} | "
+                f"{_identical_cell(m)} |"
+            )
+    return lines
 
 
 def plot(result: dict, path: str) -> None:
