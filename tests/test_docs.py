@@ -20,20 +20,38 @@ def relative_links(page: Path) -> list[str]:
     return [t for t in LINK.findall(text) if not re.match(r"[a-z][a-z0-9+.-]*:", t) and not t.startswith("#")]
 
 
-def test_every_relative_link_in_the_readme_and_docs_resolves_to_a_file():
+def heading_anchors(page: Path) -> set[str]:
+    """The #anchors GitHub gives a page's headings: lowercase, punctuation but hyphens dropped, spaces as hyphens,
+    a repeated one numbered."""
+    text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)
+    anchors, seen = set(), {}
+    for heading in re.findall(r"^#+\s+(.*)$", text, flags=re.M):
+        slug = re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+        n = seen.get(slug, 0)
+        seen[slug] = n + 1
+        anchors.add(slug if n == 0 else f"{slug}-{n}")
+    return anchors
+
+
+def test_every_relative_link_in_the_readme_and_docs_resolves_to_a_file_and_heading():
     broken = []
     for page in markdown_pages():
         for target in relative_links(page):
-            path = (page.parent / unquote(target.split("#", 1)[0])).resolve()
+            name, _, anchor = target.partition("#")
+            path = (page.parent / unquote(name)).resolve() if name else page
             if not path.exists() or ROOT not in path.parents:
                 broken.append(f"{page.relative_to(ROOT)}: {target}")
-    assert not broken, "links to no file in the repository:\n" + "\n".join(broken)
+            elif anchor and path.suffix == ".md" and anchor not in heading_anchors(path):
+                broken.append(f"{page.relative_to(ROOT)}: {target} (no such heading)")
+    assert not broken, "links to no file or heading in the repository:\n" + "\n".join(broken)
 
 
-def test_the_link_checker_finds_a_broken_link(tmp_path):
+def test_the_link_checker_finds_a_broken_link_and_the_anchors_of_headings(tmp_path):
     page = tmp_path / "p.md"
-    page.write_text("[ok](https://x.org) [bad](no/such/file.md) `[code](x.md)`\n```\n[in](block.md)\n```\n")
+    page.write_text("[ok](https://x.org) [bad](no/such/file.md) `[code](x.md)`\n```\n[in](block.md)\n```\n"
+                    "## The bench: `--turns all`\n## Notes\n## Notes\n")
     assert relative_links(page) == ["no/such/file.md", "x.md"]
+    assert heading_anchors(page) == {"the-bench---turns-all", "notes", "notes-1"}
 
 
 def test_the_readme_is_a_first_page_with_both_commands_and_the_screenshot_early():

@@ -14,6 +14,7 @@ from torch import nn
 
 from eagle.kernels.few_rows import few_row_kernels
 from eagle.models.draft_head import DraftHead
+from eagle.models.kv_cache import TreeKVCache, seeded_cache
 from eagle.models.masks import additive_mask
 from eagle.transfer import to_device
 
@@ -43,15 +44,21 @@ class HeadStep:
 class Drafter:
     """The draft side of one generation; a context manager: leaving it gives back a leased cache."""
 
-    def __init__(self, head: DraftHead, base_lm_head: nn.Module, capacity: int, compiled=None):
+    def __init__(self, head: DraftHead, base_lm_head: nn.Module, capacity: int, compiled=None,
+                 kept: TreeKVCache | None = None, rows: int = 0, bound: int | None = None):  # fmt: skip
         """compiled: a runner of this head's steps (runners.draft_graphs), which takes the steps it `takes` and may
-        lease its own cache for the generation (CUDA graphs); the others run eagerly."""
+        lease its own cache for the generation (CUDA graphs); the others run eagerly. kept: a conversation's head
+        cache whose first `rows` committed positions this generation starts from (prefix_cache.py): copied into a
+        leased cache, else kept itself where it has the room, else a new one grown towards `bound` positions."""
         self.head = head
         self.step = HeadStep(head, base_lm_head)
         self.compiled = compiled
         self.leased = compiled.lease(capacity) if compiled is not None else None
         slack = max(compiled.buckets) if compiled is not None else 0  # a padded step writes a whole bucket
-        self.cache = self.leased if self.leased is not None else head.new_cache(capacity + slack)
+        if self.leased is not None:
+            self.cache = self.leased.start_from(kept, rows)
+        else:
+            self.cache = seeded_cache(head.new_cache, capacity + slack, kept, rows, bound and bound + slack)
         self.dtype = head.fc.weight.dtype
         self.device = head.fc.weight.device
         self.last: torch.Tensor | None = None  # [1, H] the head's output at the last committed position

@@ -3,6 +3,12 @@
 One round = one base forward pass. Each yields a `Round` with the tokens it produced, of which the first
 `accepted` were proposed by the draft and accepted, and the last one (if not cut by a stop) is the base's own.
 Vanilla decoding is the same loop with a root-only tree: every round yields exactly one base token.
+
+`start` (every loop): the caches come holding the first `start` positions of the prompt already (a conversation's
+kept rows, prefix_cache.py: the base's rows 0..start-1 and the head's, row i from the base's feature at i and token
+i + 1), and the prefill reads the prompt from there: the base over positions start..P-1, the head over the rows
+start..P-1 their features make (the last one with the first token). start < P: the last prompt token's logits pick
+the first token.
 """
 
 from __future__ import annotations
@@ -31,6 +37,11 @@ class Round:
     seconds: float  # wall time of the round (device work included: the loop syncs to read the tokens)
     stop: str | None = None  # "eos", "max_new_tokens" or "max_length" on the last round
     context: int = 0  # tokens[accepted - context : accepted] were context drafts (copies of earlier text)
+    # the first round only (0 on later ones): prompt tokens whose KV rows came from the conversation's kept cache (not
+    # prefilled), and seconds from the stream's start to the first token (the caches leased and the kept rows put in
+    # them, the prefill of the rest, the first pick): the time to the first token; the round's `seconds` is its own
+    cached: int = 0
+    prefill_s: float = 0.0
 
     @property
     def from_draft(self) -> list[bool]:
@@ -103,20 +114,24 @@ def _context_accepted(accepted: int, drafted: int, from_context: int) -> int:
     return max(0, accepted - (drafted - from_context))
 
 
-def _prefill(base: BaseModel, input_ids: torch.Tensor, cache, features: bool):
+def _prefill(base: BaseModel, input_ids: torch.Tensor, cache, features: bool, start: int = 0):
+    """The base over the prompt's positions start..P-1 (the cache holds the first `start`): the last one's logits
+    [1, V] and the features [P - start, F] of all of them (or None)."""
     n = input_ids.shape[1]
-    positions = torch.arange(n, device=base.input_device)[None]
-    return base.forward(input_ids, positions, cache, features=features, last_logits_only=True)
+    if cache.length != start or not 0 <= start < n:
+        raise ValueError(f"a prefill from position {start} of {n} needs a cache of {start} rows, not {cache.length}")
+    positions = torch.arange(start, n, device=base.input_device)[None]
+    return base.forward(input_ids[:, start:], positions, cache, features=features, last_logits_only=True)
 
 
 # -------------------------------------------------------------------------------------------------------------
 def vanilla_rounds(
-    base: BaseModel, input_ids: torch.Tensor, picker: TokenPicker, budget: Budget, cache
+    base: BaseModel, input_ids: torch.Tensor, picker: TokenPicker, budget: Budget, cache, start: int = 0
 ) -> Iterator[Round]:
     """One token per base forward, on the same model code and cache as EAGLE (the baseline)."""
     root_only = DraftTree([0], [-1])
     t0 = time.perf_counter()
-    logits, _ = _prefill(base, input_ids, cache, features=False)
+    logits, _ = _prefill(base, input_ids, cache, features=False, start=start)
     position = input_ids.shape[1]
     while True:
         _, _, token = accept(root_only, logits, picker)
@@ -132,13 +147,14 @@ def vanilla_rounds(
 
 def eagle_rounds(
     base: BaseModel, drafter: Drafter, input_ids: torch.Tensor, picker: TokenPicker, budget: Budget,
-    tree_spec: TreeSpec, cache, context: ContextDrafter | None = None,
+    tree_spec: TreeSpec, cache, context: ContextDrafter | None = None, start: int = 0,
 ) -> Iterator[Round]:  # fmt: skip
-    """context: context drafts offered beside the head's tree (the sequence so far is given to it here)."""
+    """context: context drafts offered beside the head's tree (the sequence so far is given to it here). start: rows
+    both caches hold already (the drafter's cache has `start` committed rows)."""
     t0 = time.perf_counter()
     prompt = input_ids[0].tolist()  # input_ids is on the host
     # prefill: the base reads the prompt and produces the first token (the first root)
-    logits, features = _prefill(base, input_ids, cache, features=True)
+    logits, features = _prefill(base, input_ids, cache, features=True, start=start)  # [1, V], [P - start, F]
     _, _, root = accept(DraftTree([0], [-1]), logits, picker)
     tokens, stop = budget.take([root])
     yield Round(tokens, 0, time.perf_counter() - t0, stop)
@@ -146,7 +162,7 @@ def eagle_rounds(
         return
     t0 = time.perf_counter()
     committed = input_ids.shape[1]  # tokens in the base cache; the root is pending
-    drafter.commit(features, prompt[1:] + [root])
+    drafter.commit(features, prompt[start + 1 :] + [root])  # head rows start..P-1
     if context is not None:
         context.extend(prompt + [root])
     while True:
@@ -185,15 +201,15 @@ def eagle_rounds(
 
 def greedy_tree_rounds(
     base: BaseModel, runner, input_ids: torch.Tensor, budget: Budget, cache, draft_cache,
-    context: ContextDrafter | None = None,
+    context: ContextDrafter | None = None, start: int = 0,
 ) -> Iterator[Round]:  # fmt: skip
     """Greedy EAGLE-2 rounds, each three calls of `runner` (round_graphs.py: `draft`, `verify`, `keep`) and one host
     read, after the prefill (the base's, then the head's over the prompt but its last rows: `runner.prefill`); the
     same tokens as `eagle_rounds` with a greedy picker. draft_cache: the head's, with room for the prompt, the budget,
     one commit and one tree (round_steps.TreeShape). context: context drafts offered beside the head's tree (the
-    runner's shape has room for them)."""
+    runner's shape has room for them). start: rows both caches hold already (the draft cache's length)."""
     t0 = time.perf_counter()
-    logits, features = _prefill(base, input_ids, cache, features=True)  # [1, V], [P, F]
+    logits, features = _prefill(base, input_ids, cache, features=True, start=start)  # [1, V], [P - start, F]
     root = logits[-1].argmax()  # [] the first token
     tokens, stop = budget.take([int(root)])
     yield Round(tokens, 0, time.perf_counter() - t0, stop)
@@ -201,13 +217,15 @@ def greedy_tree_rounds(
         return
     t0 = time.perf_counter()
     prompt = input_ids.shape[1]
-    ids = torch.cat([to_device(input_ids[0, 1:], root.device), root.reshape(1)])  # [P] the token after each one
-    committed, start, n = prompt, 0, prompt  # base cache rows; draft cache rows; rows the next commit brings
-    head_rows = prompt - runner.shape.head_commit_rows  # the head reads these alone; the rest as a round's commit
+    # [P - start] the token after each prefilled position
+    ids = torch.cat([to_device(input_ids[0, start + 1 :], root.device), root.reshape(1)])
+    # base cache rows; draft cache rows (`start`, the draft cache's length from here on); rows the next commit brings
+    committed, n = prompt, prompt - start
+    head_rows = n - runner.shape.head_commit_rows  # the head reads these alone; the rest as a round's commit
     if head_rows > 0:
-        runner.prefill(draft_cache, features[:head_rows], ids[:head_rows])
-        draft_cache.length = start = head_rows
-        features, ids, n = features[head_rows:], ids[head_rows:], prompt - head_rows  # [C', F], [C']
+        runner.prefill(draft_cache, features[:head_rows], ids[:head_rows], start)
+        draft_cache.length = start = start + head_rows
+        features, ids, n = features[head_rows:], ids[head_rows:], n - head_rows  # [C', F], [C']
     length = to_device(torch.tensor(n), root.device)  # [] n on the device
     if context is not None:
         context.extend(input_ids[0].tolist() + tokens)

@@ -5,12 +5,16 @@
     ids, new_tokens, rounds = model.eagenerate(input_ids, log=True)               # tokens / base forward = new / (rounds + 1)
     for ids in model.ea_generate(input_ids): ...                                  # streams after each round
     for r in model.stream(input_ids): r.tokens, r.accepted, r.seconds             # typed rounds, for UIs
+    for r in model.stream(ids, conversation="session-1"): ...   # a chat turn: the prefix the conversation's last turn
+                                                                 # left in its caches is not prefilled again
 
 `naivegenerate` / `naive_generate` decode one token per base forward on the same code: the vanilla baseline.
 """
 
 from __future__ import annotations
 
+import time
+from collections.abc import Hashable
 from dataclasses import replace
 from typing import Iterator
 
@@ -20,6 +24,7 @@ from torch import nn
 from eagle.decoding.context_draft import BUCKETS, ContextDrafter, ContextStats
 from eagle.decoding.draft import Drafter, HeadStep
 from eagle.decoding.generate import Budget, Round, TreeSpec, eagle_rounds, greedy_tree_rounds, vanilla_rounds
+from eagle.decoding.prefix_cache import PrefixStore, Turn
 from eagle.decoding.round_steps import TreeShape
 from eagle.decoding.verify import SamplingParams, TokenPicker
 from eagle.kernels import few_rows, quant_panels
@@ -90,6 +95,8 @@ class EaModel(nn.Module):
         self.context_chains: tuple[int, ...] = (CONTEXT_CHAIN,) * len(BUCKETS)
         self.context_profile: dict | None = None  # how far copies are accepted (context_draft.pick_chains)
         self.context_stats = ContextStats()  # what context drafts earned here, across generations (context_draft.py)
+        # conversations' caches kept between turns (stream(..., conversation=key)); its `budget` in bytes a setting
+        self.prefix_store = PrefixStore()
 
     # ---------------------------------------------------------------------------------------------------------
     @classmethod
@@ -291,31 +298,44 @@ class EaModel(nn.Module):
 
     def stream(self, input_ids, **kw) -> Iterator[Round]:
         """Typed rounds: `Round.tokens`, `.accepted` (drafted and accepted), `.context` (of those, context copies),
-        `.seconds`, `.stop`. Keywords as `_rounds`: temperature, top_p, top_k, max_new_tokens, max_length, eagle,
-        stop_token_ids, tree, context_drafts."""
+        `.seconds`, `.stop`; the first round's `.cached` and `.prefill_s` (prompt tokens read from a conversation's
+        kept cache, and the time to the first token). Keywords as `_rounds`: temperature, top_p, top_k,
+        max_new_tokens, max_length, eagle, stop_token_ids, tree, context_drafts, conversation."""
         return self._rounds(self._check_input(input_ids), **kw)
 
     @torch.inference_mode()
     def _rounds(
         self, input_ids, temperature: float = 0.0, top_p: float = 0.0, top_k: int = 0, max_new_tokens: int = 512,
         max_length: int = 2048, eagle: bool = True, stop_token_ids=None, tree: TreeSpec | None = None,
-        context_drafts: bool = False,
+        context_drafts: bool = False, conversation: Hashable | None = None,
     ) -> Iterator[Round]:  # fmt: skip
         """`stream` on input_ids already checked by `_check_input` ([1, n], on CPU). context_drafts: copies of
-        earlier text offered beside the head's drafts where they measure worth it (context_draft.py)."""
+        earlier text offered beside the head's drafts where they measure worth it (context_draft.py).
+        conversation: a key of `self.prefix_store` (any hashable the caller chooses: a browser session, an API
+        conversation): the generation starts from the caches that conversation's last generation left, where its
+        sequence (prompt + reply ids) shares a prefix with this prompt, prefilling only the rest, and leaves its own
+        there when its rounds end or the stream is closed (prefix_cache.py). None: nothing kept."""
+        t_start = time.perf_counter()
         params = SamplingParams(float(temperature), float(top_p or 0.0), int(top_k or 0))
         picker = TokenPicker(params, batched=self.runtime.batched_draws)
         stops = self.stop_token_ids if stop_token_ids is None else set(stop_token_ids)
-        budget = Budget(input_ids.shape[1], max_new_tokens, max_length, stops)
+        n = input_ids.shape[1]
+        budget = Budget(n, max_new_tokens, max_length, stops)
         tree = replace(tree or self.tree, chain=self.context_chain if context_drafts and eagle else 0)
         self._validate_tree(tree)
-        # Caches belong to this call (allocated once, sized for it, or the CUDA graphs' own, leased until the stream
-        # ends or is dropped), so concurrent or abandoned streams never share state. Room after the budget: one
-        # tree, or the accepted path that compaction writes.
+        kept = self.prefix_store.take(conversation) if conversation is not None else None
+        turn = Turn(input_ids[0].tolist(), kept, self.ea_layer if eagle else None)
+        L = turn.start  # rows both caches hold from the conversation: prefilled from there
+        # Caches belong to this call (allocated once, sized for it, a conversation's kept ones, or the CUDA graphs'
+        # own, leased until the stream ends or is dropped), so concurrent or abandoned streams never share state.
+        # Room after the budget: one tree, or the accepted path that compaction writes. A kept cache too small for
+        # this turn grows towards twice its size, never past what a turn under this max_length needs (the bound).
         room = max(tree.max_nodes, tree.max_depth + tree.chain + 1) + 1
-        with self.base.leased_cache(input_ids.shape[1] + budget.limit + room) as cache:
+        with self.base.leased_cache(n + budget.limit + room, turn.kept_base, L, max_length + room) as cache:
+            turn.base_cache = cache
             if not eagle:
-                yield from vanilla_rounds(self.base, input_ids, picker, budget, cache)
+                rounds = vanilla_rounds(self.base, input_ids, picker, budget, cache, L)
+                yield from self._kept_rounds(turn, conversation, t_start, rounds)
                 return
             context = None
             if tree.chain:
@@ -323,14 +343,39 @@ class EaModel(nn.Module):
                 context = ContextDrafter(self.context_chains, proposal, self.context_stats, self.base.input_device)
             runner = self.round_runner(tree, picker)
             if runner is not None:
-                shape = runner.shape
-                room = input_ids.shape[1] + budget.limit + shape.commit_rows + shape.draft_entries + 1
-                with runner.leased_draft_cache(room) as draft_cache:
-                    yield from greedy_tree_rounds(self.base, runner, input_ids, budget, cache, draft_cache, context)
+                head_room = runner.shape.commit_rows + runner.shape.draft_entries + 1
+                leased = runner.leased_draft_cache(n + budget.limit + head_room, turn.kept_head, L,
+                                                   max_length + head_room)  # fmt: skip
+                with leased as draft_cache:
+                    turn.head_cache = draft_cache
+                    rounds = greedy_tree_rounds(self.base, runner, input_ids, budget, cache, draft_cache, context, L)
+                    yield from self._kept_rounds(turn, conversation, t_start, rounds)
                 return
-            capacity = input_ids.shape[1] + budget.limit + tree.max_draft_entries + 1
-            with Drafter(self.ea_layer, self.base.lm_head, capacity, self.compiled_draft) as drafter:
-                yield from eagle_rounds(self.base, drafter, input_ids, picker, budget, tree, cache, context)
+            head_room = tree.max_draft_entries + 1
+            with Drafter(self.ea_layer, self.base.lm_head, n + budget.limit + head_room, self.compiled_draft,
+                         turn.kept_head, L, max_length + head_room) as drafter:  # fmt: skip
+                turn.head_cache = drafter.cache
+                rounds = eagle_rounds(self.base, drafter, input_ids, picker, budget, tree, cache, context, L)
+                yield from self._kept_rounds(turn, conversation, t_start, rounds)
+
+    def _kept_rounds(self, turn: Turn, conversation, t_start: float, rounds: Iterator[Round]) -> Iterator[Round]:
+        """`rounds`, the first with its figures (`cached`, `prefill_s`); when they end or the stream is closed at a
+        round, the caches' state kept under `conversation` (before the leases end: lent rows are copied out). A
+        round that raises keeps nothing: its caches may be half-written."""
+        first, ended = True, False
+        try:
+            for r in rounds:
+                turn.produced += r.tokens
+                if first:
+                    r, first = replace(r, cached=turn.start, prefill_s=time.perf_counter() - t_start), False
+                yield r
+            ended = True
+        except GeneratorExit:  # closed at a yield: the caches hold the rounds so far
+            ended = True
+            raise
+        finally:
+            if ended and conversation is not None:
+                self.prefix_store.put(conversation, turn.kept_after())
 
     def _generate(self, input_ids, eagle: bool, log: bool, **kw):
         input_ids = self._check_input(input_ids)

@@ -19,7 +19,7 @@ from torch import nn
 from eagle.kernels import few_rows, shared_kv_sdpa
 from eagle.timing import seconds_in_turns
 
-from .kv_cache import TreeKVCache
+from .kv_cache import TreeKVCache, seeded_cache
 from .logits import logit_transform
 from .masks import additive_mask
 
@@ -98,18 +98,29 @@ class BaseModel:
             "config, add the model type to TRANSFORMS in eagle/models/logits.py."
         )
 
+    @property
+    def cache_slack(self) -> int:
+        """Positions a cache needs past a generation's own: a padded pass of the graphs in use writes a whole bucket."""
+        return max(self.compiled.buckets) if self.compiled is not None else 0
+
     def new_cache(self, capacity: int) -> TreeKVCache:
-        slack = max(self.compiled.buckets) if self.compiled is not None else 0  # a padded pass writes a bucket
-        return TreeKVCache(self.num_layers, capacity + slack)
+        return TreeKVCache(self.num_layers, capacity + self.cache_slack)
 
     @contextlib.contextmanager
-    def leased_cache(self, capacity: int):
+    def leased_cache(self, capacity: int, kept: TreeKVCache | None = None, rows: int = 0, bound: int | None = None):
         """A cache for one generation: the runner's own where it has one and it is free (CUDA graphs), else a new
-        one (which CUDA graphs do not take: the passes then run eagerly)."""
+        one (which CUDA graphs do not take: the passes then run eagerly). kept: a conversation's cache whose first
+        `rows` positions the generation starts from (prefix_cache.py): copied into the runner's cache, else `kept`
+        itself where it has the room, else a new one (grown towards `bound` positions: kv_cache.seeded_cache)."""
         runner = self.compiled
         cache = runner.lease(capacity) if runner is not None else None
         try:
-            yield self.new_cache(capacity) if cache is None else cache
+            if cache is not None:
+                yield cache.start_from(kept, rows)
+            else:
+                slack = self.cache_slack
+                new = lambda size: TreeKVCache(self.num_layers, size)  # noqa: E731
+                yield seeded_cache(new, capacity + slack, kept, rows, bound and bound + slack)
         finally:
             if cache is not None:
                 runner.release(cache)

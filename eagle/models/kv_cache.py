@@ -15,6 +15,10 @@ draft head (draft_head.py) calls `write` itself with the positions it drafts at,
 cache on every step). After tree verification, `compact` moves the accepted tree rows into the contiguous prefix
 and rejected rows are simply overwritten by the next pass. A cache made with `zeroed=True` starts with zero buffers:
 a captured pass reads whole spans, and garbage (NaN) under a mask would still reach its output (0 * NaN).
+
+A conversation's cache kept between turns (decoding/prefix_cache.py) starts the next generation with its first rows:
+`start_from` copies them into a cache (a runner's static one, `lent`), `seeded_cache` hands the kept cache itself
+over where it has the room, and `TreeKVCache.like` makes the copy a lent cache's rows are kept in.
 """
 
 from __future__ import annotations
@@ -118,10 +122,13 @@ class PreallocatedLayer(CacheLayerMixin):
 class TreeKVCache(Cache):
     """A `Cache` of `PreallocatedLayer`s with one shared length; see the module docstring."""
 
-    def __init__(self, num_layers: int, capacity: int, zeroed: bool = False):
-        """zeroed: buffers start at zero (a CUDA-graph runner's cache, read by whole spans)."""
+    def __init__(self, num_layers: int, capacity: int, zeroed: bool = False, lent: bool = False):
+        """zeroed: buffers start at zero (a CUDA-graph runner's cache, read by whole spans). lent: a runner's own
+        cache (static buffers its graphs hold the addresses of), lent to one generation at a time: rows are kept
+        from it by copy, never the cache itself."""
         self.length = 0  # valid positions in every layer
         self.zeroed = zeroed
+        self.lent = lent
         layers = [PreallocatedLayer(capacity, self, last=i == num_layers - 1) for i in range(num_layers)]
         super().__init__(layers=layers)
         self.capacity = capacity
@@ -136,6 +143,38 @@ class TreeKVCache(Cache):
 
     def crop_to(self, length: int) -> None:
         self.length = length
+
+    @classmethod
+    def like(cls, other: "TreeKVCache", capacity: int) -> "TreeKVCache":
+        """A new cache of `capacity` positions with `other`'s layers (count, shapes, dtype, devices), allocated."""
+        cache = cls(len(other.layers), capacity)
+        for layer, source in zip(cache.layers, other.layers):
+            if source.is_initialized:
+                _, kv_heads, _, head_dim = source.keys.shape
+                layer.allocate(kv_heads, head_dim, source.keys.dtype, source.keys.device)
+        return cache
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the buffers allocated (the whole capacity, not only the valid rows)."""
+        layers = [layer for layer in self.layers if layer.is_initialized]
+        return sum(b.numel() * b.element_size() for layer in layers for b in (layer.keys, layer.values))
+
+    def start_from(self, source: "TreeKVCache | None", rows: int) -> "TreeKVCache":
+        """This cache holding `source`'s first `rows` positions (every layer's keys and values, copied on their
+        devices; layers not allocated yet take the source's shapes), its length `rows`. source None: rows is 0, the
+        cache emptied. Returns the cache."""
+        if rows > self.capacity:
+            raise ValueError(f"{rows} kept rows do not fit a cache of {self.capacity} positions")
+        if rows:
+            for layer, src in zip(self.layers, source.layers, strict=True):
+                if not layer.is_initialized:
+                    _, kv_heads, _, head_dim = src.keys.shape
+                    layer.allocate(kv_heads, head_dim, src.keys.dtype, src.keys.device)
+                layer.keys[:, :, :rows].copy_(src.keys[:, :, :rows])  # [1, KV, rows, D]
+                layer.values[:, :, :rows].copy_(src.values[:, :, :rows])
+        self.length = rows
+        return self
 
     def compact(self, keep: list[int], start: int) -> None:
         """Keep cache positions `keep` (absolute, ascending) as positions start, start+1, ...; drop the rest. Rows
@@ -156,3 +195,37 @@ class TreeKVCache(Cache):
                 device = layer.keys.device
                 index.setdefault(device, to_device(keep[moved:], device))
                 layer.compact(index[device], start + moved)
+
+
+def seeded_cache(new, capacity: int, kept: TreeKVCache | None, rows: int, bound: int | None = None) -> TreeKVCache:
+    """A cache of our own of at least `capacity` positions holding `kept`'s first `rows`: `kept` itself where it has
+    the room (nothing copied), else `new(size)` with the rows copied in, size grown past `capacity` towards twice
+    kept's (the next turn is longer still) but never past `bound` (the most any generation under its max_length
+    needs). new: capacity -> an empty cache of the caller's layers (allocated now or on first write)."""
+    if kept is None:
+        return new(capacity)
+    if not kept.lent and kept.capacity >= capacity:
+        kept.crop_to(rows)
+        return kept
+    size = max(capacity, min(2 * kept.capacity, bound or capacity))
+    return new(size).start_from(kept, rows)
+
+
+def kept_copy(cache: TreeKVCache, rows: int, spare: TreeKVCache | None = None) -> TreeKVCache:
+    """What a generation's cache leaves to keep its first `rows` positions: the cache itself where it is our own,
+    else (a runner's `lent` one) a copy of those rows, into `spare` (a kept cache no longer in use) where it has the
+    room, or into a new cache of `rows` positions."""
+    if not cache.lent:
+        return cache
+    if spare is None or spare.lent or spare is cache or spare.capacity < rows or not _same_layers(spare, cache):
+        spare = TreeKVCache.like(cache, max(rows, 1))
+    return spare.start_from(cache, rows)
+
+
+def _same_layers(a: TreeKVCache, b: TreeKVCache) -> bool:
+    """Whether two caches' layers hold rows of one layout (kv heads, head dim, dtype, device; allocated alike)."""
+    def layout(layer):
+        k = layer.keys if layer.is_initialized else None
+        return None if k is None else (k.shape[1], k.shape[3], k.dtype, k.device)
+
+    return len(a.layers) == len(b.layers) and all(layout(x) == layout(y) for x, y in zip(a.layers, b.layers))

@@ -14,7 +14,9 @@ once a round, in verification (verify.py); replays and the copies around them ne
 
 The runner's cache is leased to one generation at a time (`lease`/`release`); a generation that finds it taken,
 or needs more room, runs eagerly on a cache of its own. Prefill and trees wider than the largest bucket run eagerly
-on the leased cache. The kernels under the graph are transformers' eager ones (cuBLAS, SDPA).
+on the leased cache. The kernels under the graph are transformers' eager ones (cuBLAS, SDPA). A conversation's kept
+rows (prefix_cache.py) are copied into the cache when it is leased and out of it before it is released (a cache
+`lent`: its buffers are never kept).
 
 `capture=False` runs the same buffers, padding and masks without capturing (each call runs the function on the
 static buffers): how the tests check this path on a machine without CUDA.
@@ -159,7 +161,8 @@ class GraphedDecode(GraphedRunner):
             raise ValueError("CUDA graphs need the whole base on one device (device_map placed it on several)")
         self.base = base
         self.buckets = tuple(sorted(buckets))
-        self.cache = TreeKVCache(base.num_layers, capacity + max(self.buckets), zeroed=True)  # + a padded pass
+        # + a padded pass; lent: kept rows are copied in and out (prefix_cache.py), the buffers stay the graphs'
+        self.cache = TreeKVCache(base.num_layers, capacity + max(self.buckets), zeroed=True, lent=True)
         self.spans = spans_of(self.cache.capacity)
         self.capacity, self._taken = capacity, threading.Lock()
         self.steps = GraphedSteps(device, device.type == "cuda" if capture is None else capture)
@@ -221,6 +224,7 @@ class GraphedDraft(GraphedRunner):
         self.step = step
         self.buckets = tuple(sorted(buckets))
         self.cache = step.head.new_cache(capacity + max(self.buckets), zeroed=True)
+        self.cache.lent = True  # kept rows are copied in and out (prefix_cache.py), the buffers stay the graphs'
         self.spans = spans_of(self.cache.capacity)
         self.capacity, self._taken = capacity, threading.Lock()
         self.steps = GraphedSteps(device, device.type == "cuda" if capture is None else capture)

@@ -46,6 +46,7 @@ class CudaRound(EagerRound, LeasedCache):
         head = step.head
         device = head.fc.weight.device
         self.cache = head.new_cache(self.decode.capacity + shape.commit_rows + shape.draft_entries + 1, zeroed=True)
+        self.cache.lent = True  # kept rows are copied in and out (prefix_cache.py), the buffers stay the graphs'
         self.capacity, self._taken = self.cache.capacity, threading.Lock()
         self.draft_spans = spans_of(self.cache.capacity)
         self.steps = GraphedSteps(device, device.type == "cuda" if capture is None else capture)
@@ -55,16 +56,16 @@ class CudaRound(EagerRound, LeasedCache):
         self.cache.length = 0
 
     @contextlib.contextmanager
-    def leased_draft_cache(self, capacity: int):
-        """The runner's draft cache for one generation, emptied, where it is free and large enough; else a new one
-        (then the draft steps run eagerly)."""
+    def leased_draft_cache(self, capacity: int, kept=None, rows: int = 0, bound: int | None = None):
+        """The runner's draft cache for one generation, emptied (then holding `kept`'s first `rows`, copied), where
+        it is free and large enough; else one of our own as EagerRound's (then the draft steps run eagerly)."""
         cache = self.lease(capacity)
         if cache is None:
-            with super().leased_draft_cache(capacity) as cache:
+            with super().leased_draft_cache(capacity, kept, rows, bound) as cache:
                 yield cache
             return
         try:
-            yield cache
+            yield cache.start_from(kept, rows)
         finally:
             self.release(cache)
 

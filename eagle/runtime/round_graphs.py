@@ -4,8 +4,10 @@
                                                                  count; None = unknown)
     runner.verify(cache, committed, tree, chain) -> Verdict   (chain: a context draft added first, or None)
     runner.keep(cache, committed, path, verdict)                (the accepted path's KV rows kept, the rest dropped)
-    runner.prefill(cache, features, ids)       (a prompt's rows before the first draft step's, into the head's cache)
-    with runner.leased_draft_cache(capacity) as draft_cache: ...  (the head's cache for one generation)
+    runner.prefill(cache, features, ids, start)  (a prompt's rows before the first draft step's, into the head's cache
+                                                  at draft positions start..: past the rows a conversation kept)
+    with runner.leased_draft_cache(capacity, kept, rows, bound) as draft_cache: ...  (the head's cache for one
+                                                  generation, holding kept's first rows: prefix_cache.py)
 
 `EagerRound` calls the step functions; `CompiledRound` (CPU) runs each as one inductor graph per tree shape, with the
 machinery of the base's graphs (compiled.py: weights frozen, the panel kernel for float32 linears, the context
@@ -34,6 +36,7 @@ from eagle.decoding.round_steps import (
     verify_step,
 )
 from eagle.kernels.few_rows import few_row_kernels
+from eagle.models.kv_cache import seeded_cache
 from eagle.timing import repeated_seconds
 
 from .compiled import BucketGraphs, static_rows
@@ -50,12 +53,12 @@ class EagerRound:
         with few_row_kernels():  # float32 CPU linears: the plan's kernel per row count (few_rows.py)
             return draft_step(self.step, cache, start, features, ids, n, root, self.shape)
 
-    def prefill(self, cache, features, ids) -> None:
-        """The head over a prompt's first rows (features [m, F], ids [m]) at draft positions 0..m-1, eagerly: the
-        prompt's last rows and its first tree are then the first round's draft step, in its graph where it has one.
-        The caller sets `cache.length = m`."""
+    def prefill(self, cache, features, ids, start: int = 0) -> None:
+        """The head over a prompt's first rows (features [m, F], ids [m]) at draft positions start..start+m-1 (start:
+        the rows a conversation kept, already in the cache), eagerly: the prompt's last rows and its first tree are
+        then the first round's draft step, in its graph where it has one. The caller sets `cache.length = start + m`."""
         with few_row_kernels():
-            commit_step(self.step, cache, 0, features, ids)
+            commit_step(self.step, cache, start, features, ids)
 
     def commit_of(self, features, ids, rows: int | None):
         """The commit a draft step takes: with context chains in the shape, the rows of a path of the head's own
@@ -80,9 +83,10 @@ class EagerRound:
         cache.compact([committed + i for i in path], committed)
 
     @contextlib.contextmanager
-    def leased_draft_cache(self, capacity: int):
-        """The head's cache for one generation of `capacity` positions."""
-        yield self.step.head.new_cache(capacity)
+    def leased_draft_cache(self, capacity: int, kept=None, rows: int = 0, bound: int | None = None):
+        """The head's cache for one generation of `capacity` positions, holding `kept`'s first `rows` (a
+        conversation's: kept itself where it has the room, else a new cache grown towards `bound`)."""
+        yield seeded_cache(self.step.head.new_cache, capacity, kept, rows, bound)
 
 
 class CompiledRound(EagerRound):
