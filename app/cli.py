@@ -8,7 +8,7 @@ import sys
 
 from eagle.chat.model_types import ALIASES, COMPILE_MODES, DTYPES, MODEL_TYPES, WEIGHTS, ModelLoadError
 
-from .engine import KV_BUDGET_MB
+from .engine import KEPT_MB, KV_BUDGET_MB
 from .model_queue import MAX_WAITING
 
 EXAMPLES = """examples:
@@ -63,6 +63,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-budget-mb", type=float, default=KV_BUDGET_MB, metavar="MB",
                    help=f"memory one conversation's KV caches may take, the base's and the head's (default "
                    f"{KV_BUDGET_MB}): bounds the context where the base's window would take more")  # fmt: skip
+    p.add_argument("--kept-mb", type=float, default=KEPT_MB, metavar="MB",
+                   help=f"memory the conversations' caches kept between turns may take together (default {KEPT_MB}): "
+                   "a turn then prefills only its new message; the least recently used conversation is dropped "
+                   "first, and starts its next turn from the whole prompt")  # fmt: skip
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 = all)")
     p.add_argument("--port", type=int, default=None, help="port (default: 7860 or the next free one)")
     p.add_argument("--share", action="store_true", help="also make a public *.gradio.live link (use --auth)")
@@ -92,6 +96,8 @@ def main(argv: list[str] | None = None) -> None:
     auth = parse_auth(args.auth)
     if args.kv_budget_mb <= 0:
         raise SystemExit("--kv-budget-mb needs a positive number of MB, for example --kv-budget-mb 2048")
+    if args.kept_mb < 0:
+        raise SystemExit("--kept-mb needs a number of MB, 0 or more (0 keeps no conversation's caches)")
     if args.max_length is not None and args.max_length < 2:
         raise SystemExit("--max-length needs at least 2 tokens (a prompt token and a reply token)")
     if args.queue_size < 1:
@@ -180,7 +186,7 @@ def load_engine(args):
     system = mtype.system_prompt or default_system_prompt(mtype.template)
     name = f"{mtype.name}: {os.path.basename(str(info['base']).rstrip('/'))} + {info['draft']} head"
     engine = Engine(model, mtype.template, args.max_length, name=name, default_system=system, info=info,
-                    kv_budget_mb=args.kv_budget_mb)
+                    kv_budget_mb=args.kv_budget_mb, kept_mb=args.kept_mb)
     engine.describe = describe_forwards
     if not args.no_warmup:
         print("[3/3] warming up (one short generation each way); vanilla decoding is timed once the page is up")

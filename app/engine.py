@@ -43,6 +43,7 @@ PATHS = ("eager", "compiled")
 
 
 KV_BUDGET_MB = 2048  # one conversation's KV caches (the base's and the head's) at most: bounds the context used
+KEPT_MB = 1024  # the caches conversations keep between turns, all together (least recently used dropped first)
 
 
 def kv_bytes_per_token(model) -> int:
@@ -61,7 +62,7 @@ def kv_bytes_per_token(model) -> int:
 class Engine:
     def __init__(self, model, template: str = "chat-template", max_length: int | None = None, name: str = "",
                  default_system: str = "", info: dict | None = None, queue_size: int = MAX_WAITING,
-                 kv_budget_mb: float = KV_BUDGET_MB):  # fmt: skip
+                 kv_budget_mb: float = KV_BUDGET_MB, kept_mb: float = KEPT_MB):  # fmt: skip
         self.model = model
         self.tokenizer = model.tokenizer
         self.template = resolve_kind(template, self.tokenizer)
@@ -72,6 +73,7 @@ class Engine:
         self.kv_budget_mb = kv_budget_mb
         in_budget = int(kv_budget_mb * 2**20 // self.kv_bytes_per_token)
         self.max_length = max(1, min(max_length or self.window, self.window, in_budget))
+        model.prefix_store.budget = int(kept_mb * 2**20)  # conversations' caches kept between turns, LRU
         self.name = name
         self.default_system = default_system
         self.info = info or {}
@@ -242,13 +244,16 @@ class Engine:
 
     def rounds(self, ids: list[int], eagle: bool = True, temperature: float = 0.0, top_p: float = 0.0,
                top_k: int = 0, max_new_tokens: int = 512, context_drafts: bool = False, ticket: Ticket | None = None,
-               seed: int | None = None, cancel: threading.Event | None = None) -> Iterator[Round]:  # fmt: skip
+               seed: int | None = None, cancel: threading.Event | None = None, conversation=None,
+               keep: bool = True) -> Iterator[Round]:  # fmt: skip
         """The model's rounds for one generation, holding the model for the whole run (its turn in the queue from
         `ticket`, see `_model`). seed: torch's random numbers seeded with it right before the first round. cancel:
         once set, the rounds end after the one in progress (checked where they run, so no further round starts
-        while the reader catches up)."""
+        while the reader catches up). conversation, keep: the caches kept between a conversation's turns
+        (`decode`)."""
         with self._model("reply", ticket=ticket):
-            stream = self.decode(ids, eagle, temperature, top_p, top_k, max_new_tokens, context_drafts)
+            stream = self.decode(ids, eagle, temperature, top_p, top_k, max_new_tokens, context_drafts, conversation,
+                                 keep)  # fmt: skip
             if seed is not None:
                 stream = _seeded(stream, seed)
             if self._calls is None or threading.current_thread() is self._server_thread:
@@ -292,12 +297,21 @@ class Engine:
             done.result()
 
     def decode(self, ids: list[int], eagle: bool = True, temperature: float = 0.0, top_p: float = 0.0,
-               top_k: int = 0, max_new_tokens: int = 512, context_drafts: bool = False) -> Iterator[Round]:  # fmt: skip
+               top_k: int = 0, max_new_tokens: int = 512, context_drafts: bool = False, conversation=None,
+               keep: bool = True) -> Iterator[Round]:  # fmt: skip
         """The model's rounds, without taking the model (for work that holds it already). context_drafts: wanted by
-        the reply's settings; asked of the model only where the rounds serve them (`context_drafts_served`)."""
+        the reply's settings; asked of the model only where the rounds serve them (`context_drafts_served`).
+        conversation: the key its caches are kept under between turns (a browser session, an API conversation:
+        `model.prefix_store`, within `kept_mb`), so that a turn prefills only what its last turn did not read;
+        keep=False reads them and leaves them as they were (a vanilla reference timed beside a reply)."""
         context = context_drafts and eagle and self.context_drafts_served(temperature, top_p, top_k)
         return self.model.stream(ids, temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=max_new_tokens,
-                                 max_length=self.max_length, eagle=eagle, context_drafts=context)  # fmt: skip
+                                 max_length=self.max_length, eagle=eagle, context_drafts=context,
+                                 conversation=conversation, keep=keep)  # fmt: skip
+
+    def forget(self, conversation) -> None:
+        """Free the caches kept for `conversation` (its history was cleared)."""
+        self.model.prefix_store.drop(conversation)
 
     def context_drafts_served(self, temperature: float = 0.0, top_p: float = 0.0, top_k: int = 0) -> bool:
         """Whether context drafts keep a reply with these sampling settings as fast as it is without them.

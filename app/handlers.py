@@ -12,6 +12,7 @@ storage), which a reload of the page brings back (`restored_conversation`).
 import html
 import json
 import time
+import uuid
 from dataclasses import replace
 
 import gradio as gr
@@ -21,7 +22,7 @@ from .markdown_render import CONTEXT
 from .race import Race, parse_speed
 from .race import pane_html as race_pane_html
 from .race import status_html as race_status_html
-from .session import Settings, clean_text, compare, parse_history, respond
+from .session import Settings, clean_text, compare, conversation_key, parse_history, respond
 from .stats import figures_html, shares_text
 
 # At most 4 page updates per second while streaming: each update costs the page and the server a share of the
@@ -223,7 +224,8 @@ def make_handlers(engine):
             yield chat_messages(state, settings.highlight), figures_html(state.get("figures")), state
         turn.pop("waiting", None)
         throttle = Throttle()
-        for u in respond(engine, turn["user"], history, settings, stop=stopped):
+        conversation = state.setdefault("conversation", uuid.uuid4().hex)  # this session's kept caches' key
+        for u in respond(engine, turn["user"], history, settings, stop=stopped, conversation=conversation):
             if u.error and not u.text:
                 turn["notice"] = u.error
                 gr.Warning(u.error)
@@ -252,6 +254,7 @@ def make_handlers(engine):
         return chat_messages(state, highlight), state
 
     def clear(state):
+        engine.forget(state.pop("conversation", None))  # a new conversation: its caches start afresh
         state["epoch"] += 1
         state["turns"].clear()  # in place: a run that is ending renders this same (empty) list
         state["figures"] = {}
@@ -373,7 +376,8 @@ def make_handlers(engine):
         turns, history_notices = parse_history(history)
         settings = replace(settings, notices=settings.notices + tuple(history_notices))
         throttle = Throttle()
-        for u in respond(engine, message, turns, settings):
+        conversation = conversation_key("chat", settings.system_prompt, turns, message)
+        for u in respond(engine, message, turns, settings, conversation=conversation):
             figs = dict(u.figures, error=u.error) if u.error else u.figures
             if throttle(u.done or u.complete):
                 yield u.html, u.text, figs  # rendered as the page renders it (highlights: EAGLE runs only)

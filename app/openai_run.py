@@ -13,7 +13,7 @@ gives them while a reply streams. docs/openai-api.md defines each.
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Iterator
 
 from eagle.chat.templates import PromptTooLong
@@ -23,11 +23,12 @@ from eagle.decoding.round_steps import TreeShape
 from .engine import EngineBusy
 from .highlight import Detokenizer
 from .openai_schema import APIError, Request
-from .session import clean_text, reference_figures
+from .session import clean_text, conversation_key, reference_figures
 from .stats import RunStats, with_vanilla
 from .stop_text import StopText
 
 FINISH = {"eos": "stop", "max_new_tokens": "length", "max_length": "length"}
+COMPLETION_KEY_TOKENS = 64  # a completion's caches are kept under its prompt's first ids (a growing text resent)
 
 
 @dataclass
@@ -46,6 +47,7 @@ class Done:
 class Prepared:
     ids: list[int]
     max_tokens: int
+    conversation: tuple | None = None  # the key its caches are kept under between requests (session.conversation_key)
 
 
 # the prompt ---------------------------------------------------------------------------------------------
@@ -75,7 +77,8 @@ def prepare(engine, req: Request, default_max_tokens: int) -> Prepared:
                            "messages", "invalid_prompt") from None  # fmt: skip
         if fit.dropped:
             raise too_long(engine, len(engine.prompt_ids(turns, system)), max_tokens, "messages")
-        return Prepared(fit.ids, max_tokens)
+        # a client resends the whole conversation each turn: the next request reads this one's rows
+        return Prepared(fit.ids, max_tokens, conversation_key("api", system, turns, turns[-1][0]))
     if isinstance(req.prompt, tuple):
         ids = list(req.prompt)
     else:
@@ -84,7 +87,7 @@ def prepare(engine, req: Request, default_max_tokens: int) -> Prepared:
         raise APIError(400, "prompt is empty: give at least one token of text", "prompt", "invalid_value")
     if len(ids) > engine.prompt_room(max_tokens):
         raise too_long(engine, len(ids), max_tokens, "prompt")
-    return Prepared(ids, max_tokens)
+    return Prepared(ids, max_tokens, ("completion", tuple(ids[:COMPLETION_KEY_TOKENS])))
 
 
 # the reply ----------------------------------------------------------------------------------------------
@@ -103,7 +106,7 @@ def cut_round(r: Round, kept: int) -> Round:
         return r
     accepted = min(r.accepted, kept)
     head = min(max(0, r.accepted - r.context), kept)
-    return Round(r.tokens[:kept], accepted, r.seconds, r.stop, accepted - head)
+    return replace(r, tokens=r.tokens[:kept], accepted=accepted, context=accepted - head)
 
 
 @dataclass
@@ -124,8 +127,7 @@ class Figures:
     def add(self, r: Round, kept: int, nodes: int) -> None:
         """Round `r`, of which the first `kept` tokens are the reply's; `nodes`: the head's draft tokens in it."""
         if not self.stats.rounds:
-            self.cached = int(getattr(r, "cached", 0) or 0)
-            self.prompt_s = float(getattr(r, "prefill_s", 0.0) or r.seconds)
+            self.cached, self.prompt_s = r.cached, r.prefill_s or r.seconds
         elif self.eagle:
             self.drafted += nodes
         self.stats.add(cut_round(r, kept))
@@ -174,7 +176,8 @@ def generate(engine, req: Request, prep: Prepared, ticket=None,
     finish, nodes = None, None
     rounds = engine.rounds(prep.ids, eagle=req.use_eagle, temperature=req.temperature, top_p=req.top_p,
                            top_k=req.top_k, max_new_tokens=prep.max_tokens, context_drafts=req.context_drafts,
-                           ticket=ticket, seed=req.seed, cancel=cancelled)  # fmt: skip
+                           ticket=ticket, seed=req.seed, cancel=cancelled,
+                           conversation=prep.conversation)  # fmt: skip
     try:
         for r in rounds:
             if figures.path is None:  # read after the first round, when it cannot change (Engine.path)

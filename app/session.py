@@ -8,6 +8,7 @@ the other, and yields both panes as they grow.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import statistics
 from dataclasses import dataclass, field, replace
@@ -23,9 +24,12 @@ from .stats import SHARES, RunStats, with_vanilla
 MAX_NEW_TOKENS_LIMIT = 4096
 RERUN_SOURCE = "this reply decoded again without EAGLE (same prompt, length and forwards), timed on its own"
 COMPARE_SOURCE = "the vanilla run of this prompt beside it, timed on its own"
-CHECK_TOKENS = 32  # vanilla steps timed right after a default EAGLE reply: the reference of its final speedup
+CHECK_TOKENS = 32  # vanilla steps timed after a default EAGLE reply, at its start and at its end: its reference
 CHECK_SOURCE = ("this prompt decoded without EAGLE for {n} tokens right after the reply (same forwards): its step "
                 "time over this reply's length and prefill")
+CHECK_ENDS_SOURCE = ("vanilla decoding timed right after the reply for {n} tokens at the reply's start and {m} at its "
+                     "end (same forwards, the conversation's cache): their mean step over this reply's length and "
+                     "prefill")
 
 
 @dataclass(frozen=True)
@@ -148,10 +152,20 @@ def _run(engine, ids, stop: Callable[[], bool], **kw) -> Iterator[Round]:
         rounds.close()
 
 
+def conversation_key(scope: str, system: str, turns: Sequence[Turn], message: str) -> tuple[str, str]:
+    """The key a stateless caller's conversation keeps its caches under (the /chat endpoint's, the API's): its
+    system prompt and first message, which every later turn resends unchanged. Two conversations that share them
+    share one kept state, which is still exact: a turn reuses only the rows of the ids it has in common with it."""
+    first = turns[0][0] if turns else message
+    return scope, hashlib.sha256(f"{system}\x00{first}".encode("utf-8", "replace")).hexdigest()[:24]
+
+
 def respond(engine, message: str, turns: Sequence[Turn], settings: Settings,
-            stop: Callable[[], bool] = _never) -> Iterator[Update]:  # fmt: skip
+            stop: Callable[[], bool] = _never, conversation=None) -> Iterator[Update]:  # fmt: skip
     """Answer `message` after `turns` (earlier (user, reply) pairs). `stop()` is polled after every round: when it
-    returns True the reply ends there (figures stop = "stopped").
+    returns True the reply ends there (figures stop = "stopped"). conversation: the key the conversation's caches
+    are kept under between turns (`Engine.decode`), so that a turn prefills only the new message and the reply
+    before it; the vanilla reference reads them without changing them.
 
     The speedup of an EAGLE reply is against vanilla decoding on the same path (eager or compiled forwards). While
     it streams: the engine's vanilla reference for the path, timed while idle, over the reply's length and prefill
@@ -179,7 +193,7 @@ def respond(engine, message: str, turns: Sequence[Turn], settings: Settings,
                   f"the {fit.dropped} oldest turn{'s' if fit.dropped > 1 else ''} "
                   f"{'were' if fit.dropped > 1 else 'was'} left out of the prompt.")  # fmt: skip
     notice = " ".join(n if n.endswith(".") else n + "." for n in notices) or None
-    reply, stats = Reply(engine.tokenizer), RunStats(eagle=settings.eagle)
+    reply, stats, reply_ids = Reply(engine.tokenizer), RunStats(eagle=settings.eagle), []
     path = None  # the path this reply runs on, read after its first round (it cannot change during a run)
 
     def update(done=False, measured=None, complete=False) -> Update:
@@ -196,10 +210,11 @@ def respond(engine, message: str, turns: Sequence[Turn], settings: Settings,
             if stop():  # stopped before it began (while waiting in the queue)
                 stats.stop = "stopped"
             for r in _run(engine, fit.ids, stop, eagle=settings.eagle, max_new_tokens=settings.max_new_tokens,
-                          context_drafts=settings.context_drafts,
+                          context_drafts=settings.context_drafts, conversation=conversation,
                           **_sampling(settings)) if not stats.stop else ():  # fmt: skip
                 path = path or engine.path
                 reply.add_round(r.tokens, r.accepted, r.context)
+                reply_ids += r.tokens
                 stats.add(r)
                 yield update()
             if not stats.stop:
@@ -209,8 +224,10 @@ def respond(engine, message: str, turns: Sequence[Turn], settings: Settings,
             timed = settings.time_vanilla or stats.new_tokens > 2  # a check needs two steps after the prefill
             if settings.eagle and stats.new_tokens and stats.stop != "stopped" and timed:
                 yield update(complete=True)  # the reply is complete; its figures wait for the vanilla run
-                vanilla = vanilla_rerun if settings.time_vanilla else vanilla_check
-                measured = vanilla(engine, fit.ids, stop, path, stats, settings)
+                if settings.time_vanilla:
+                    measured = vanilla_rerun(engine, fit.ids, stop, path, stats, settings, conversation)
+                else:
+                    measured = vanilla_check(engine, fit.ids, stop, path, stats, settings, conversation, reply_ids)
     except Exception as e:  # never lose the session over one failed generation
         final = update(done=True)
         final.error = f"Generation failed: {type(e).__name__}: {e}"
@@ -221,38 +238,52 @@ def respond(engine, message: str, turns: Sequence[Turn], settings: Settings,
     yield update(done=True, measured=measured)
 
 
-def _vanilla_rounds(engine, ids, stop: Callable[[], bool], max_new_tokens: int,
-                    settings: Settings) -> tuple[list[Round], str | None]:  # fmt: skip
-    """The prompt `ids` decoded without EAGLE (until `stop()`): its rounds and the path they ran on."""
+def _vanilla_rounds(engine, ids, stop: Callable[[], bool], max_new_tokens: int, settings: Settings,
+                    conversation=None) -> tuple[list[Round], str | None]:  # fmt: skip
+    """The prompt `ids` decoded without EAGLE (until `stop()`): its rounds and the path they ran on. conversation:
+    whose kept caches it starts from, as the reply it is timed against did, leaving them as they were."""
     rounds, path = [], None
-    for r in _run(engine, ids, stop, eagle=False, max_new_tokens=max_new_tokens, **_sampling(settings)):
+    for r in _run(engine, ids, stop, eagle=False, max_new_tokens=max_new_tokens, conversation=conversation,
+                  keep=False, **_sampling(settings)):  # fmt: skip
         path = path or engine.path
         rounds.append(r)
     return rounds, path
 
 
-def vanilla_rerun(engine, ids, stop: Callable[[], bool], path: str, stats: RunStats,
-                  settings: Settings) -> tuple[float, str] | None:  # fmt: skip
+def vanilla_rerun(engine, ids, stop: Callable[[], bool], path: str, stats: RunStats, settings: Settings,
+                  conversation=None) -> tuple[float, str] | None:  # fmt: skip
     """(vanilla tokens/s, source) for the EAGLE reply `stats` on `path`: the prompt `ids` decoded again without
-    EAGLE for the reply's length; None when it was stopped or ran on other forwards."""
-    rounds, rerun_path = _vanilla_rounds(engine, ids, stop, stats.new_tokens, settings)
+    EAGLE for the reply's length (from the conversation's kept caches, as the reply was); None when it was stopped
+    or ran on other forwards."""
+    rounds, rerun_path = _vanilla_rounds(engine, ids, stop, stats.new_tokens, settings, conversation)
     base = RunStats(eagle=False)
     for r in rounds:
         base.add(r)
     return (base.tokens_per_s, RERUN_SOURCE) if base.stop and rerun_path == path else None
 
 
-def vanilla_check(engine, ids, stop: Callable[[], bool], path: str, stats: RunStats,
-                  settings: Settings) -> tuple[float, str] | None:  # fmt: skip
-    """(vanilla tokens/s, source) for the EAGLE reply `stats` on `path`: the prompt `ids` decoded without EAGLE for
-    up to CHECK_TOKENS tokens, its median step time applied to the reply's length and prefill (`VanillaReference`);
-    None when it ran on other forwards or made fewer than three steps (then the idle reference stands). A stop
-    asked for meanwhile ends it early: the steps made are still timed on their own."""
-    rounds, check_path = _vanilla_rounds(engine, ids, stop, min(stats.new_tokens, CHECK_TOKENS), settings)
-    if check_path != path or len(rounds) < 3:
-        return None
-    step_s = statistics.median(r.seconds for r in rounds[1:])  # the first round is the prefill
-    ref = VanillaReference(path, step_s, CHECK_SOURCE.format(n=len(rounds)))
+def vanilla_check(engine, ids, stop: Callable[[], bool], path: str, stats: RunStats, settings: Settings,
+                  conversation=None, reply_ids: Sequence[int] = ()) -> tuple[float, str] | None:  # fmt: skip
+    """(vanilla tokens/s, source) for the EAGLE reply `stats` on `path`: vanilla decoding for up to CHECK_TOKENS
+    tokens after the prompt `ids` and, where the reply is longer than two such windows and its conversation's caches
+    are kept (so that its prefill reads them), again after `ids + reply_ids` but its last CHECK_TOKENS: a step costs
+    more as the context grows, so the mean of the two windows' median steps is the step over the reply's own
+    context lengths, applied to its length and prefill (`VanillaReference`). None when a window ran on other
+    forwards or made fewer than three steps (then the idle reference stands). A stop asked for meanwhile ends it
+    early: the steps made are still timed on their own."""
+    k = min(stats.new_tokens, CHECK_TOKENS)
+    windows = [list(ids)]
+    if conversation is not None and len(reply_ids) > 2 * k:
+        windows.append([*ids, *reply_ids[: len(reply_ids) - k]])
+    steps, made = [], []
+    for window in windows:
+        rounds, check_path = _vanilla_rounds(engine, window, stop, k, settings, conversation)
+        if check_path != path or len(rounds) < 3:
+            return None
+        steps.append(statistics.median(r.seconds for r in rounds[1:]))  # the first round is the prefill
+        made.append(len(rounds))
+    source = CHECK_SOURCE.format(n=made[0]) if len(made) == 1 else CHECK_ENDS_SOURCE.format(n=made[0], m=made[1])
+    ref = VanillaReference(path, statistics.fmean(steps), source)
     return stats.new_tokens / ref.seconds(stats.first_round_s, stats.new_tokens), ref.source
 
 

@@ -3,6 +3,9 @@
 Definitions (also shown on the page):
 - tokens/s = new tokens / decoding time, where decoding time is the sum of the rounds' wall times
   (prefill included; the time the page spends rendering between rounds is not);
+- time to first token = from the generation's start to its first token (the prompt's prefill, of the tokens past
+  those the conversation's kept cache held: "from the cache"); decoding tokens/s = the tokens after the first over
+  the rounds after the first (the prefill excluded);
 - mean accepted tokens per base forward = new tokens / rounds (one round = one forward pass of the base
   model; vanilla decoding gives exactly 1);
 - speedup = EAGLE tokens/s / vanilla tokens/s, each decoder timed on its own;
@@ -35,11 +38,13 @@ class RunStats:
     context: int = 0  # of those, context copies
     seconds: float = 0.0
     first_round_s: float = 0.0  # the prefill's round: the same base pass whichever the decoder
+    first_token_s: float = 0.0  # from the generation's start to its first token (leasing and kept rows included)
+    cached: int = 0  # prompt tokens read from the conversation's kept cache, not prefilled
     stop: str | None = None
 
     def add(self, r: Round) -> None:
         if not self.rounds:
-            self.first_round_s = r.seconds
+            self.first_round_s, self.first_token_s, self.cached = r.seconds, r.prefill_s or r.seconds, r.cached
         self.new_tokens += len(r.tokens)
         self.rounds += 1
         self.accepted += r.accepted
@@ -50,6 +55,12 @@ class RunStats:
     @property
     def tokens_per_s(self) -> float:
         return self.new_tokens / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def decode_tokens_per_s(self) -> float | None:
+        """Tokens after the first over the rounds after the first: decoding without the prefill."""
+        after = self.seconds - self.first_round_s
+        return (self.new_tokens - 1) / after if self.rounds > 1 and after > 0 else None
 
     @property
     def mean_accepted(self) -> float:
@@ -74,6 +85,9 @@ class RunStats:
             "context_tokens_accepted": self.context,
             **self.shares(),
             "elapsed_s": round(self.seconds, 3),
+            "time_to_first_token_s": round(self.first_token_s, 4) if self.rounds else None,
+            "prompt_tokens_cached": self.cached,
+            "decode_tokens_per_s": round(self.decode_tokens_per_s, 2) if self.decode_tokens_per_s else None,
             "stop": self.stop,
         }
 
@@ -96,6 +110,16 @@ def _num(v, fmt="{:.2f}", unit=""):
 
 def _percent(share) -> str | None:
     return f"{100 * share:.0f}%" if isinstance(share, (int, float)) and not isinstance(share, bool) else None
+
+
+def _first_token(fig: dict) -> str:
+    """The time to the first token and the prompt tokens the kept cache gave ("0.04 s (1,962 of 1,990 cached)")."""
+    seconds = fig.get("time_to_first_token_s")
+    if not isinstance(seconds, (int, float)):
+        return "–"
+    cached, prompt = fig.get("prompt_tokens_cached") or 0, fig.get("prompt_tokens")
+    of = f" ({cached:,} of {prompt:,} prompt tokens cached)" if cached and isinstance(prompt, int) else ""
+    return f"{seconds:.2f} s{of}"
 
 
 def _context(fig: dict) -> str:
@@ -136,6 +160,8 @@ def figures_html(fig: dict | None, running: bool = False) -> str:
         ("rounds (base forwards)", _num(fig.get("rounds"), "{:d}")),
         ("new tokens", _num(fig.get("new_tokens"), "{:d}")),
         ("elapsed (decoding)", _num(fig.get("elapsed_s"), "{:.2f}", " s")),
+        ("time to first token", _first_token(fig)),
+        ("tokens/s after the first", _num(fig.get("decode_tokens_per_s"))),
         ("vanilla tokens/s", _num(fig.get("vanilla_tokens_per_s"))),
         ("forwards", {"compiled": "compiled rounds", "eager": "eager"}.get(fig.get("forwards") or "", "–")),
         ("context used", _context(fig)),

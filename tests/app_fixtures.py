@@ -115,6 +115,9 @@ class ModelFreeEngine:
     def context_line(self):
         return f"{self.max_length:,} tokens"
 
+    def forget(self, conversation):
+        pass
+
     def waiting_lines(self):
         return iter(())
 

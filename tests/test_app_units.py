@@ -478,3 +478,39 @@ def test_the_figures_say_how_much_of_the_context_a_conversation_fills():
     shown = figures_html({"mode": "eagle", "context_tokens": 1234, "context_limit": 8192})
     assert "context used" in shown and "1,234 of 8,192 tokens (15%)" in shown
     assert "context used</td><td>–" in figures_html({"mode": "eagle"})
+
+
+def test_a_sessions_next_turn_reads_its_last_turns_rows_and_answers_as_a_cold_start(engine):
+    s = Settings(max_new_tokens=12)
+    first = list(respond(engine, "w7 w8 w9", [], s, conversation="session-a"))[-1]
+    assert first.figures["prompt_tokens_cached"] == 0 and first.figures["time_to_first_token_s"] > 0
+    turns = [("w7 w8 w9", first.text)]
+    warm = list(respond(engine, "w3 w4", turns, s, conversation="session-a"))[-1]
+    cold = list(respond(engine, "w3 w4", turns, s))[-1]
+    assert warm.text == cold.text == greedy_reply(engine, [*turns, ("w3 w4", None)], 12)
+    f = warm.figures
+    assert 0 < f["prompt_tokens_cached"] < f["prompt_tokens"] and cold.figures["prompt_tokens_cached"] == 0
+    assert "prompt tokens cached" in figures_html(f) and "tokens/s after the first" in figures_html(f)
+    kept = engine.model.prefix_store.get("session-a")  # the vanilla check read the rows and left them as they were
+    assert kept.tokens[: f["prompt_tokens"]] == engine.fit([*turns, ("w3 w4", None)], "", 12).ids
+    assert len(kept.tokens) == f["prompt_tokens"] + f["new_tokens"]
+
+
+def test_the_vanilla_check_times_a_long_reply_at_its_start_and_at_its_end(engine, monkeypatch):
+    import app.session as session
+
+    monkeypatch.setattr(session, "CHECK_TOKENS", 4)  # a reply of 12 tokens is longer than two windows of 4
+    s = Settings(max_new_tokens=12)
+    calls = []
+    run = session._vanilla_rounds
+    monkeypatch.setattr(session, "_vanilla_rounds", lambda e, ids, *a: calls.append(list(ids)) or run(e, ids, *a))
+    final = list(respond(engine, "w5 w6", [], s, conversation="session-b"))[-1]
+    if final.figures["new_tokens"] <= 8:
+        pytest.skip("the tiny model ended its reply early")
+    prompt = engine.fit([("w5 w6", None)], "", 12).ids
+    reply_ids = engine.model.prefix_store.get("session-b").tokens[len(prompt):]
+    assert calls == [prompt, prompt + reply_ids[:-4]]
+    assert "at the reply's start" in final.figures["vanilla_source"] and final.figures["speedup"]
+    calls.clear()
+    list(respond(engine, "w5 w6", [], s))  # no kept caches: the end's prefill would be the whole reply again
+    assert calls == [prompt]

@@ -507,3 +507,18 @@ def test_the_page_and_the_api_share_one_queue_in_arrival_order(server, gate):
     order = log.prompts()[start : start + 3]
     assert order == [chat_ids(engine, p) for p in ("w46", "w47 w46", "w45")]
     assert last[0].choices[0].message.content == greedy_reply(engine, [("w45", None)], 4)
+
+
+def test_a_conversations_next_request_reads_the_last_ones_rows_and_answers_as_a_cold_start(server):
+    engine, api, url, _ = server
+    c = client(url)
+    first = c.chat.completions.create(model="tiny", messages=user("w4 w9 w2"), temperature=0, max_tokens=12)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    follow = [*user("w4 w9 w2"), {"role": "assistant", "content": first.choices[0].message.content},
+              *user("w5 w5")]  # fmt: skip
+    second = c.chat.completions.create(model="tiny", messages=follow, temperature=0, max_tokens=12)
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert 0 < cached < second.usage.prompt_tokens and second.timings["cache_n"] == cached
+    assert second.timings["prompt_n"] == second.usage.prompt_tokens - cached
+    turns = [("w4 w9 w2", first.choices[0].message.content), ("w5 w5", None)]
+    assert second.choices[0].message.content == greedy_reply(engine, turns, 12, engine.default_system)

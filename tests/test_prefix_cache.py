@@ -377,3 +377,23 @@ def test_captured_cuda_graphs_on_the_kept_prefix_give_the_cold_starts_tokens(tmp
         assert_kept_the_last_sequence(model, turns, mode)
         kept = model.prefix_store.get(mode)
         assert kept.base.layers[0].keys.is_cuda and not kept.base.lent
+
+
+@pytest.mark.parametrize("eagle", [False, True])
+def test_a_generation_that_reads_a_conversation_without_keep_leaves_it_as_it_was(tmp_path, eagle):
+    model = tiny_model(tmp_path)
+    prompt = USER[0]
+    answer, _ = reply(model, prompt, conversation="c")
+    before = model.prefix_store.get("c")
+    kept_tokens, kept_rows = list(before.tokens), before.base_rows
+    keys = [layer.keys[:, :, :kept_rows].clone() for layer in before.base.layers]
+    later = prompt + answer[:4] + [2, 9, 2, 9]  # another text over rows the conversation holds
+    side, first = reply(model, later, conversation="c", keep=False, eagle=eagle, new=8)
+    assert first.cached > 0 and side == reply(model, later, eagle=eagle, new=8)[0]  # read the rows, same tokens
+    after = model.prefix_store.get("c")
+    assert after is before and after.tokens == kept_tokens and after.base_rows == kept_rows
+    assert all(torch.equal(layer.keys[:, :, :kept_rows], k) for layer, k in zip(after.base.layers, keys))
+    assert model.prefix_store.keys() == ["c"]  # nothing kept for the reading generation
+    follow = prompt + answer + USER[1]
+    warm, first = reply(model, follow, conversation="c")
+    assert warm == reply(model, follow)[0] and first.cached >= len(prompt) + len(answer) - 1 - 4  # all but the lag

@@ -75,6 +75,15 @@ class KeptPrefix:
     def nbytes(self) -> int:
         return self.base.nbytes + (self.head.nbytes if self.head is not None else 0)
 
+    def copy(self) -> "KeptPrefix":
+        """The same state in caches of its own (the valid rows copied): a generation that starts from it leaves this
+        one as it was."""
+        base = TreeKVCache.like(self.base, max(self.base_rows, 1)).start_from(self.base, self.base_rows)
+        head = None
+        if self.head is not None:
+            head = TreeKVCache.like(self.head, max(self.head_rows, 1)).start_from(self.head, self.head_rows)
+        return KeptPrefix(list(self.tokens), base, self.base_rows, head, self.head_rows, self.head_of)
+
 
 class PrefixStore:
     """Kept conversations by key, within `budget` bytes (their caches' allocated buffers), the least recently used
@@ -131,6 +140,15 @@ class PrefixStore:
         """The state kept under `key` without taking it (for figures and tests)."""
         with self._lock:
             return self._kept.get(key)
+
+    def borrow(self, key: Hashable) -> KeptPrefix | None:
+        """A copy of the state kept under `key` (`KeptPrefix.copy`), which stays kept as it is, the most recently
+        used: for a generation that reads a conversation without changing it (a reference timed beside a reply)."""
+        with self._lock:
+            kept = self._kept.get(key)
+            if kept is not None:
+                self._kept.move_to_end(key)
+        return kept.copy() if kept is not None else None
 
     @property
     def nbytes(self) -> int:
