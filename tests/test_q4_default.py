@@ -66,6 +66,7 @@ def test_the_app_takes_weights_and_the_model_panel_says_which():
     engine = SimpleNamespace(
         info={"weights": "q4_1 (210 layers), q8_0 (lm_head)"}, reference=lambda: None, status="", jobs=[],
         child=None, reply_figures=lambda: None, path="eager", max_length=2048, template="chat-template",
+        context_line=lambda: "2,048 tokens",
     )  # fmt: skip
     assert "- **weights**: `q4_1 (210 layers), q8_0 (lm_head)`" in model_info_md(engine)
 
