@@ -245,15 +245,15 @@ class Engine:
     def rounds(self, ids: list[int], eagle: bool = True, temperature: float = 0.0, top_p: float = 0.0,
                top_k: int = 0, max_new_tokens: int = 512, context_drafts: bool = False, ticket: Ticket | None = None,
                seed: int | None = None, cancel: threading.Event | None = None, conversation=None,
-               keep: bool = True) -> Iterator[Round]:  # fmt: skip
+               keep: bool = True, exact: bool = True) -> Iterator[Round]:  # fmt: skip
         """The model's rounds for one generation, holding the model for the whole run (its turn in the queue from
         `ticket`, see `_model`). seed: torch's random numbers seeded with it right before the first round. cancel:
         once set, the rounds end after the one in progress (checked where they run, so no further round starts
-        while the reader catches up). conversation, keep: the caches kept between a conversation's turns
+        while the reader catches up). conversation, keep, exact: the caches kept between a conversation's turns
         (`decode`)."""
         with self._model("reply", ticket=ticket):
             stream = self.decode(ids, eagle, temperature, top_p, top_k, max_new_tokens, context_drafts, conversation,
-                                 keep)  # fmt: skip
+                                 keep, exact)  # fmt: skip
             if seed is not None:
                 stream = _seeded(stream, seed)
             if self._calls is None or threading.current_thread() is self._server_thread:
@@ -298,16 +298,17 @@ class Engine:
 
     def decode(self, ids: list[int], eagle: bool = True, temperature: float = 0.0, top_p: float = 0.0,
                top_k: int = 0, max_new_tokens: int = 512, context_drafts: bool = False, conversation=None,
-               keep: bool = True) -> Iterator[Round]:  # fmt: skip
+               keep: bool = True, exact: bool = True) -> Iterator[Round]:  # fmt: skip
         """The model's rounds, without taking the model (for work that holds it already). context_drafts: wanted by
         the reply's settings; asked of the model only where the rounds serve them (`context_drafts_served`).
         conversation: the key its caches are kept under between turns (a browser session, an API conversation:
         `model.prefix_store`, within `kept_mb`), so that a turn prefills only what its last turn did not read;
-        keep=False reads them and leaves them as they were (a vanilla reference timed beside a reply)."""
+        keep=False reads them and leaves them as they were (a vanilla reference timed beside a reply); exact=False
+        reads a reply's rows too, not only the prompts' (for timing: EaModel.stream)."""
         context = context_drafts and eagle and self.context_drafts_served(temperature, top_p, top_k)
         return self.model.stream(ids, temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=max_new_tokens,
                                  max_length=self.max_length, eagle=eagle, context_drafts=context,
-                                 conversation=conversation, keep=keep)  # fmt: skip
+                                 conversation=conversation, keep=keep, exact=exact)  # fmt: skip
 
     def forget(self, conversation) -> None:
         """Free the caches kept for `conversation` (its history was cleared)."""

@@ -241,10 +241,10 @@ def respond(engine, message: str, turns: Sequence[Turn], settings: Settings,
 def _vanilla_rounds(engine, ids, stop: Callable[[], bool], max_new_tokens: int, settings: Settings,
                     conversation=None) -> tuple[list[Round], str | None]:  # fmt: skip
     """The prompt `ids` decoded without EAGLE (until `stop()`): its rounds and the path they ran on. conversation:
-    whose kept caches it starts from, as the reply it is timed against did, leaving them as they were."""
+    whose kept caches it starts from, the reply's rows too (it is timed, not read), leaving them as they were."""
     rounds, path = [], None
     for r in _run(engine, ids, stop, eagle=False, max_new_tokens=max_new_tokens, conversation=conversation,
-                  keep=False, **_sampling(settings)):  # fmt: skip
+                  keep=False, exact=False, **_sampling(settings)):  # fmt: skip
         path = path or engine.path
         rounds.append(r)
     return rounds, path

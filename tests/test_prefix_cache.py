@@ -37,7 +37,11 @@ def tiny_model(tmp_path, eagle3: bool = True, device: str = "cpu", layers: int =
 
 
 def reply(model, prompt: list[int], **kw):
-    """(the reply's ids, its first round) of one greedy generation of NEW tokens."""
+    """(the reply's ids, its first round) of one greedy generation of NEW tokens. With a conversation, every valid
+    row is read (exact=False: a reply's rows too), unless the test says otherwise: these tests pin the reuse's
+    mechanics on all of them; the default, the prompts' rows only, has tests of its own (`..._a_prefill_wrote`)."""
+    if "conversation" in kw:
+        kw.setdefault("exact", False)
     rounds = list(model.stream(torch.tensor([prompt]), max_new_tokens=kw.pop("new", NEW), stop_token_ids=[], **kw))
     return [t for r in rounds for t in r.tokens], rounds[0]
 
@@ -115,7 +119,7 @@ def test_figures_of_the_cache_come_on_the_first_round_only(model):
     prompt = USER[0]
     first = reply(model, prompt, conversation="figures")[0]
     rounds = list(model.stream(torch.tensor([prompt + first + USER[1]]), max_new_tokens=NEW, stop_token_ids=[],
-                               conversation="figures"))  # fmt: skip
+                               conversation="figures", exact=False))  # fmt: skip
     assert rounds[0].cached > len(prompt) and rounds[0].prefill_s >= rounds[0].seconds
     assert all(r.cached == 0 and r.prefill_s == 0.0 for r in rounds[1:])
     model.prefix_store.clear()
@@ -148,7 +152,7 @@ def test_a_conversation_switching_between_vanilla_and_eagle_keeps_what_is_still_
 def test_a_closed_stream_keeps_the_rows_of_the_tokens_it_gave(model):
     prompt = USER[0] + USER[1]
     for kw in ({}, {"eagle": False}):
-        stream = model.stream(torch.tensor([prompt]), max_new_tokens=NEW, stop_token_ids=[], conversation="cut", **kw)
+        stream = model.stream(torch.tensor([prompt]), max_new_tokens=NEW, stop_token_ids=[], conversation="cut", exact=False, **kw)
         given = [t for _, r in zip(range(4), stream) for t in r.tokens]
         stream.close()  # what a stopped reply does
         follow_up = prompt + given + USER[2]
@@ -216,7 +220,8 @@ def test_two_generations_of_one_conversation_at_once_never_share_its_caches(mode
     prompt = USER[0]
     first, _ = reply(model, prompt, conversation="twice")
     follow_up = prompt + first + USER[1]
-    holder = model.stream(torch.tensor([follow_up]), max_new_tokens=NEW, stop_token_ids=[], conversation="twice")
+    holder = model.stream(torch.tensor([follow_up]), max_new_tokens=NEW, stop_token_ids=[], conversation="twice",
+                          exact=False)
     held = next(holder)
     assert held.cached > 0
     beside, f = reply(model, follow_up, conversation="twice")  # the state is taken: this one starts cold
@@ -240,7 +245,7 @@ def test_sampling_on_a_kept_prefix_follows_the_base_distribution(tmp_path):
         return original(turn, *args)
 
     model._kept_rounds = counted
-    assert_follows_base_distribution(model, SamplingParams(1.0), conversation="sampled")
+    assert_follows_base_distribution(model, SamplingParams(1.0), conversation="sampled", exact=False)
     assert cached[0] == 0 and set(cached[1:]) == {2}
 
 
@@ -397,3 +402,26 @@ def test_a_generation_that_reads_a_conversation_without_keep_leaves_it_as_it_was
     follow = prompt + answer + USER[1]
     warm, first = reply(model, follow, conversation="c")
     assert warm == reply(model, follow)[0] and first.cached >= len(prompt) + len(answer) - 1 - 4  # all but the lag
+
+
+@pytest.mark.parametrize("mode", ["eagle", "vanilla"])
+def test_by_default_a_turn_reads_only_the_rows_a_prefill_wrote_and_answers_as_a_cold_start(tmp_path, mode):
+    """A reply's rows come from decoding steps (one-row passes, trees, compiled graphs), which some paths compute with
+    other kernels than a prefill: the default reads the earlier prompts' rows only, so every warm turn sees the
+    bits a cold prefill computes; exact=False reads the reply's rows too."""
+    model = tiny_model(tmp_path)
+    kw = MODES[mode]
+    sequence, prompts = [], []
+    for user in USER[:3]:
+        prompt = sequence + user
+        rounds = list(model.stream(torch.tensor([prompt]), max_new_tokens=NEW, stop_token_ids=[], conversation="d",
+                                   **kw))  # fmt: skip
+        warm = [t for r in rounds for t in r.tokens]
+        assert warm == reply(model, prompt, **kw)[0]
+        assert rounds[0].cached == (len(prompts[-1]) if prompts else 0)  # the last prompt's rows, not its reply's
+        assert model.prefix_store.get("d").prefilled == len(prompt)
+        prompts.append(prompt)
+        sequence = prompt + warm
+    follow = sequence + USER[3]
+    _, first = reply(model, follow, conversation="d", exact=False, **kw)
+    assert first.cached > len(prompts[-1])  # every valid row, the last reply's too

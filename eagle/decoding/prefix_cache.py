@@ -55,12 +55,16 @@ class KeptPrefix:
     head: TreeKVCache | None = None
     head_rows: int = 0
     head_of: object = None  # the DraftHead whose rows `head` holds
+    prefilled: int | None = None  # of the base rows, the first ones a prefill wrote (the prompt's); None: all
 
-    def reuse_point(self, ids: list[int], head=None) -> int:
+    def reuse_point(self, ids: list[int], head=None, exact: bool = True) -> int:
         """L: the rows of both caches valid for a generation whose prompt is `ids` (with `head` drafting; None: a
-        vanilla generation, the base's rows alone), at most len(ids) - 1."""
+        vanilla generation, the base's rows alone), at most len(ids) - 1. exact: only the rows a prefill wrote, so
+        that the generation sees the bits a cold prefill of `ids` computes (module docstring); else every row
+        valid (for timing: a decoding step's row may differ from a prefill's in its last bits)."""
         same = common_prefix(self.tokens, ids)
-        rows = min(self.base_rows, same, len(ids) - 1)
+        held = self.base_rows if not exact or self.prefilled is None else min(self.prefilled, self.base_rows)
+        rows = min(held, same, len(ids) - 1)
         if head is not None:
             rows = min(rows, self.head_rows if self.head_holds(head) else 0, same - 1)
         return max(rows, 0)
@@ -82,7 +86,7 @@ class KeptPrefix:
         head = None
         if self.head is not None:
             head = TreeKVCache.like(self.head, max(self.head_rows, 1)).start_from(self.head, self.head_rows)
-        return KeptPrefix(list(self.tokens), base, self.base_rows, head, self.head_rows, self.head_of)
+        return KeptPrefix(list(self.tokens), base, self.base_rows, head, self.head_rows, self.head_of, self.prefilled)
 
 
 class PrefixStore:
@@ -160,10 +164,10 @@ class Turn:
     closed at a round), the state it leaves (`kept_after`). The caches it ran on are set by the caller as it leases
     them (`base_cache`, `head_cache`: a generation that drafts)."""
 
-    def __init__(self, prompt: list[int], kept: KeptPrefix | None, head=None):
-        """head: the DraftHead drafting this generation (None: vanilla)."""
+    def __init__(self, prompt: list[int], kept: KeptPrefix | None, head=None, exact: bool = True):
+        """head: the DraftHead drafting this generation (None: vanilla). exact: `KeptPrefix.reuse_point`'s."""
         self.prompt, self.kept, self.head = prompt, kept, head
-        self.start = kept.reuse_point(prompt, head) if kept is not None else 0  # L: the rows reused
+        self.start = kept.reuse_point(prompt, head, exact) if kept is not None else 0  # L: the rows reused
         self.produced: list[int] = []  # the tokens of the rounds so far
         self.base_cache: TreeKVCache | None = None
         self.head_cache: TreeKVCache | None = None
@@ -185,13 +189,14 @@ class Turn:
         tokens = self.prompt + self.produced
         old = self.kept
         base_rows = min(self.base_cache.length, len(tokens))
+        prefilled = min(len(self.prompt), base_rows)  # the prompt's rows: kept ones a prefill wrote, the rest prefilled
         base = kept_copy(self.base_cache, base_rows, old.base if old is not None else None)
         if self.head is not None and self.head_cache is not None:  # a drafting generation: its head's rows
             head_rows = min(self.head_cache.length, len(tokens) - 1)
             spare = old.head if old is not None else None
             return KeptPrefix(tokens, base, base_rows, kept_copy(self.head_cache, head_rows, spare), head_rows,
-                              self.head)  # fmt: skip
+                              self.head, prefilled)  # fmt: skip
         if old is None or old.head is None:  # vanilla: the head's kept rows stay, those still of this sequence
-            return KeptPrefix(tokens, base, base_rows)
+            return KeptPrefix(tokens, base, base_rows, prefilled=prefilled)
         head_rows = max(0, min(old.head_rows, common_prefix(old.tokens, tokens) - 1))
-        return KeptPrefix(tokens, base, base_rows, old.head, head_rows, old.head_of)
+        return KeptPrefix(tokens, base, base_rows, old.head, head_rows, old.head_of, prefilled)

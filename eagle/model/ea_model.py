@@ -300,14 +300,14 @@ class EaModel(nn.Module):
         """Typed rounds: `Round.tokens`, `.accepted` (drafted and accepted), `.context` (of those, context copies),
         `.seconds`, `.stop`; the first round's `.cached` and `.prefill_s` (prompt tokens read from a conversation's
         kept cache, and the time to the first token). Keywords as `_rounds`: temperature, top_p, top_k,
-        max_new_tokens, max_length, eagle, stop_token_ids, tree, context_drafts, conversation, keep."""
+        max_new_tokens, max_length, eagle, stop_token_ids, tree, context_drafts, conversation, keep, exact."""
         return self._rounds(self._check_input(input_ids), **kw)
 
     @torch.inference_mode()
     def _rounds(
         self, input_ids, temperature: float = 0.0, top_p: float = 0.0, top_k: int = 0, max_new_tokens: int = 512,
         max_length: int = 2048, eagle: bool = True, stop_token_ids=None, tree: TreeSpec | None = None,
-        context_drafts: bool = False, conversation: Hashable | None = None, keep: bool = True,
+        context_drafts: bool = False, conversation: Hashable | None = None, keep: bool = True, exact: bool = True,
     ) -> Iterator[Round]:  # fmt: skip
         """`stream` on input_ids already checked by `_check_input` ([1, n], on CPU). context_drafts: copies of
         earlier text offered beside the head's drafts where they measure worth it (context_draft.py).
@@ -315,7 +315,10 @@ class EaModel(nn.Module):
         conversation): the generation starts from the caches that conversation's last generation left, where its
         sequence (prompt + reply ids) shares a prefix with this prompt, prefilling only the rest, and leaves its own
         there when its rounds end or the stream is closed (prefix_cache.py). None: nothing kept.
-        keep=False: the conversation's kept caches are read (a copy) and left as they were; nothing is kept after."""
+        keep=False: the conversation's kept caches are read (a copy) and left as they were; nothing is kept after.
+        exact (default): only the rows a prefill wrote are read (the earlier prompts'), so that the output is the
+        cold start's token for token; False reads the rows decoding steps wrote too (a reply's), which some paths
+        compute with other kernels than a prefill (compiled graphs, float32's one-row products): for timing."""
         t_start = time.perf_counter()
         params = SamplingParams(float(temperature), float(top_p or 0.0), int(top_k or 0))
         picker = TokenPicker(params, batched=self.runtime.batched_draws)
@@ -328,7 +331,7 @@ class EaModel(nn.Module):
         kept = None if conversation is None else store.take(conversation) if keep else store.borrow(conversation)
         if not keep:
             conversation = None  # the rounds' state is not kept
-        turn = Turn(input_ids[0].tolist(), kept, self.ea_layer if eagle else None)
+        turn = Turn(input_ids[0].tolist(), kept, self.ea_layer if eagle else None, exact)
         L = turn.start  # rows both caches hold from the conversation: prefilled from there
         # Caches belong to this call (allocated once, sized for it, a conversation's kept ones, or the CUDA graphs'
         # own, leased until the stream ends or is dropped), so concurrent or abandoned streams never share state.
