@@ -23,7 +23,8 @@ The OpenAI-compatible API is served on the same port: http://HOST:PORT/v1 (docs/
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="launch.py", description="Chat with an EAGLE speculative decoder in the browser.",
+        prog="eagle-chat" if os.path.basename(sys.argv[0]) == "eagle-chat" else "launch.py",  # the console script
+        description="Chat with an EAGLE speculative decoder in the browser.",
         epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter,
     )  # fmt: skip
     types = [*MODEL_TYPES, *ALIASES]
