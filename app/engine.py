@@ -71,8 +71,8 @@ class Engine:
         self.window = getattr(model.config.get_text_config(), "max_position_embeddings", None) or 2048
         self.kv_bytes_per_token = kv_bytes_per_token(model)
         self.kv_budget_mb = kv_budget_mb
-        in_budget = int(kv_budget_mb * 2**20 // self.kv_bytes_per_token)
-        self.max_length = max(1, min(max_length or self.window, self.window, in_budget))
+        self.kv_budget_tokens = int(kv_budget_mb * 2**20 // self.kv_bytes_per_token)
+        self.max_length = max(1, min(max_length or self.window, self.window, self.kv_budget_tokens))
         model.prefix_store.budget = int(kept_mb * 2**20)  # conversations' caches kept between turns, LRU
         self.name = name
         self.default_system = default_system
@@ -99,7 +99,7 @@ class Engine:
         full_mb = self.max_length * self.kv_bytes_per_token / 2**20
         why = ("the base's window" if self.max_length == self.window else
                f"of the base's {self.window:,}: as much as --kv-budget-mb {self.kv_budget_mb:g} holds"
-               if self.max_length == int(self.kv_budget_mb * 2**20 // self.kv_bytes_per_token) else
+               if self.max_length == self.kv_budget_tokens else
                f"of the base's {self.window:,}: --max-length")  # fmt: skip
         return f"{self.max_length:,} tokens ({why}); a full conversation's KV caches {full_mb:,.0f} MB"
 

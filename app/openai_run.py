@@ -115,9 +115,7 @@ class Figures:
 
     prompt_tokens: int
     eagle: bool
-    stats: RunStats = field(init=False)
-    cached: int = 0  # prompt tokens whose rows came from a kept cache (rounds that say so: `Round.cached`)
-    prompt_s: float = 0.0
+    stats: RunStats = field(init=False)  # its first round's: the prompt tokens cached, the time to the first token
     drafted: int = 0
     path: str | None = None
 
@@ -126,27 +124,25 @@ class Figures:
 
     def add(self, r: Round, kept: int, nodes: int) -> None:
         """Round `r`, of which the first `kept` tokens are the reply's; `nodes`: the head's draft tokens in it."""
-        if not self.stats.rounds:
-            self.cached, self.prompt_s = r.cached, r.prefill_s or r.seconds
-        elif self.eagle:
+        if self.stats.rounds and self.eagle:
             self.drafted += nodes
         self.stats.add(cut_round(r, kept))
 
     def usage(self) -> dict:
         n = self.stats.new_tokens
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": n, "total_tokens": self.prompt_tokens + n,
-                "prompt_tokens_details": {"cached_tokens": self.cached}}  # fmt: skip
+                "prompt_tokens_details": {"cached_tokens": self.stats.cached}}  # fmt: skip
 
     def timings(self, engine) -> dict:
         s, n = self.stats, self.stats.new_tokens
         after = max(0.0, s.seconds - s.first_round_s)  # the rounds after the prefill
-        prompt_n = self.prompt_tokens - self.cached
+        prompt_n, prompt_s = self.prompt_tokens - s.cached, s.first_token_s
         page = with_vanilla(s.as_dict(), *reference_figures(engine, self.path, s))
         return {
             # llama.cpp server's names
-            "prompt_n": prompt_n, "prompt_ms": _ms(self.prompt_s),
-            "prompt_per_second": _rate(prompt_n, self.prompt_s), "predicted_n": n, "predicted_ms": _ms(after),
-            "predicted_per_second": _rate(n, after), "cache_n": self.cached,
+            "prompt_n": prompt_n, "prompt_ms": _ms(prompt_s),
+            "prompt_per_second": _rate(prompt_n, prompt_s), "predicted_n": n, "predicted_ms": _ms(after),
+            "predicted_per_second": _rate(n, after), "cache_n": s.cached,
             "draft_n": self.drafted, "draft_n_accepted": s.accepted,
             # this engine's
             "draft_n_accepted_head": s.accepted - s.context, "draft_n_accepted_context": s.context,

@@ -6,7 +6,7 @@ import json
 from dataclasses import replace
 
 import pytest
-import torch
+from app_fixtures import one_thread
 from tiny import random_draft, save_base, tiny_base
 from transformers import AutoTokenizer
 
@@ -31,11 +31,9 @@ ENGINE = ("vanilla", "eagle", "eagle_static")
 
 
 @pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+def single_thread():
+    with one_thread():
+        yield
 
 
 @pytest.fixture(scope="module")

@@ -72,6 +72,18 @@ def assert_kept_the_last_sequence(model, turns, mode: str) -> None:
         assert (cached == held) if mode == "vanilla" else (held - lag <= cached < held), (cached, held)
 
 
+def count_calls(monkeypatch, graph) -> dict:
+    """{"call": n}: how many times `graph.call` runs from here on (the test's graphs doing the work)."""
+    calls, original = {"call": 0}, graph.call
+
+    def counted(*args, **kw):
+        calls["call"] += 1
+        return original(*args, **kw)
+
+    monkeypatch.setattr(graph, "call", counted)
+    return calls
+
+
 # ------------------------------------------------------------------------------------------------------------------
 def test_the_reuse_point_is_the_rows_both_caches_hold_valid_for_the_new_prompt():
     base = TreeKVCache(1, 32)
@@ -330,18 +342,11 @@ def test_the_compiled_cpu_forwards_on_the_kept_prefix_give_the_cold_starts_token
     graphs = model.compile_base((8,))
     graphs.warm()
     model.base.compiled = graphs
-    calls = {"graphs": 0}
-    original = graphs.graphs.call
-
-    def counted(*args, **kw):
-        calls["graphs"] += 1
-        return original(*args, **kw)
-
-    monkeypatch.setattr(graphs.graphs, "call", counted)
+    calls = count_calls(monkeypatch, graphs.graphs)
     for mode in ("vanilla", "general-loop"):
         turns = converse(model, mode, turns=3, **MODES[mode])
         assert_kept_the_last_sequence(model, turns, mode)
-    assert calls["graphs"] > 100  # the graphs did the work (a kept cache grown under them keeps their slack)
+    assert calls["call"] > 100  # the graphs did the work (a kept cache grown under them keeps their slack)
 
 
 @pytest.mark.slow
@@ -355,18 +360,11 @@ def test_the_compiled_cpu_rounds_on_the_kept_prefix_give_the_cold_starts_tokens(
     draft.warm()
     model.base.compiled, model.compiled_draft = graphs, draft
     runner = model.compile_round()
-    calls = {"verify": 0}
-    original = runner.verify_graph.call
-
-    def counted(*args, **kw):
-        calls["verify"] += 1
-        return original(*args, **kw)
-
-    monkeypatch.setattr(runner.verify_graph, "call", counted)
+    calls = count_calls(monkeypatch, runner.verify_graph)
     for mode in ("eagle", "vanilla"):
         turns = converse(model, mode, turns=3, **MODES[mode])
         assert_kept_the_last_sequence(model, turns, mode)
-    assert calls["verify"] > 20  # the compiled round did the work
+    assert calls["call"] > 20  # the compiled round did the work
 
 
 # ------------------------------------------------------------------------------------------------------------------
